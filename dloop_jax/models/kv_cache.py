@@ -1,0 +1,96 @@
+"""Explicit KV cache: a pytree passed into and returned from every forward.
+
+Slot `j` of a row holds the key/value of the token at position `j`. A row's
+`lengths[b]` is how many slots are committed; slots at and past it are stale
+and masked, then overwritten. Rolling back after a rejected draft is therefore
+just `cache.replace(lengths=...)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of all layers.
+
+  Attributes:
+    k: [L, B, C, K, H] keys (L layers, C slots, K kv heads, H head dim).
+    v: [L, B, C, K, H] values.
+    lengths: [B] committed slots per row.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch_size(self) -> int:
+    return self.k.shape[1]
+
+  @classmethod
+  def create(cls, *, num_layers: int, batch_size: int, capacity: int,
+             num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
+    shape = (num_layers, batch_size, capacity, num_kv_heads, head_dim)
+    return cls(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+    )
+
+  def with_lengths(self, lengths: jax.Array) -> "KVCache":
+    return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.Array:
+  """Writes `update[b]` into `buffer[b]` at slot `starts[b]` along axis 1.
+
+  Args:
+    buffer: [B, C, ...].
+    update: [B, T, ...].
+    starts: [B] first slot written per row (callers keep `starts + T <= C`:
+      `dynamic_update_slice` would otherwise clamp and overwrite valid slots).
+  """
+  def one(buf, upd, start):
+    index = (start,) + (0,) * (buf.ndim - 1)
+    return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), index)
+
+  return jax.vmap(one)(buffer, update, starts)
+
+
+def attention_mask(*, starts: jax.Array, num_new: int, capacity: int,
+                   block_mask: jax.Array | None = None) -> jax.Array:
+  """Which cache slots each new token may attend to.
+
+  New token `t` of row `b` sits in slot `starts[b] + t`. It sees every
+  committed slot (`j < starts[b]`) and, among the new slots, those allowed by
+  `block_mask[b, t, j - starts[b]]` (causal when `block_mask` is None).
+
+  With starts = [2], num_new = 3, causal, capacity 6 ('x' = visible):
+
+      slot:   0 1 2 3 4 5
+      t = 0   x x x . . .
+      t = 1   x x x x . .
+      t = 2   x x x x x .
+
+  Returns:
+    [B, T, C] boolean mask.
+  """
+  slots = jnp.arange(capacity)[None, None, :]  # [1, 1, C]
+  start = starts[:, None, None]  # [B, 1, 1]
+  t = jnp.arange(num_new)[None, :, None]  # [1, T, 1]
+  if block_mask is None:
+    return slots <= start + t
+  rel = slots - start  # [B, 1, C]
+  in_block = (rel >= 0) & (rel < num_new)
+  rel_clipped = jnp.clip(rel, 0, num_new - 1)
+  rel_clipped = jnp.broadcast_to(rel_clipped, (starts.shape[0], num_new, capacity))
+  allowed = jnp.take_along_axis(block_mask, rel_clipped, axis=2)
+  return (slots < start) | (in_block & allowed)
