@@ -1,0 +1,454 @@
+"""`generate()`: prefill, then a `lax.while_loop` over rounds, as one jit.
+
+Modes:
+  ar     one target forward per new token.
+  sd     standard speculative decoding: one drafting stage of gamma tokens,
+         then one verification.
+  dloop  DLoop: another stage while the drafter's confidence in the stage just
+         drafted is at least the gate g (at most S_max stages), then ONE
+         verification of all drafts.
+
+Per round of `sd` / `dloop`, for every row b (rows are independent; there is no
+minimum over the batch):
+
+    committed: x_0 .. x_n       (x_n = `pending`, not yet read by the target)
+    drafts:    d_1 .. d_{s_b * gamma}    from s_b gated stages
+    verify:    target([x_n, d_1, ..., d_m]) with m = max_b s_b * gamma, the
+               width picked by `lax.switch` among 1 + s * gamma, s = 1..S_max
+    accept:    k_b drafts, plus the bonus token; roll the caches back to
+               n + 1 + k_b by setting lengths.
+
+A Python-side cache keyed by every static choice (model structure, shapes,
+mode, gamma, S_max, sampling, stop tokens) holds the compiled executables, so a
+second call with the same shapes runs without tracing or compiling. The gate g
+is a traced scalar: sweeping it does not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+
+from dloop_jax.decoding import gate as gate_lib
+from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.decoding import verify as verify_lib
+from dloop_jax.decoding.stats import GenerationOutput, RowStats
+from dloop_jax.drafters.base import Drafter
+from dloop_jax.errors import ConfigError, PromptTooLongError
+from dloop_jax.models import kv_cache as kv_lib
+from dloop_jax.models.transformer import Transformer
+
+MODES = ("ar", "sd", "dloop")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything the compiled program depends on besides array values."""
+
+  target_graph: Any
+  drafter_graph: Any
+  mode: str
+  block_size: int
+  max_stages: int
+  sampling: sampling_lib.SamplingConfig
+  max_new_tokens: int
+  stop_tokens: tuple[int, ...]
+  capture_taps: tuple[int, ...]
+  batch_size: int
+  prompt_width: int
+  capacity: int
+
+  @property
+  def draft_width(self) -> int:
+    return self.max_stages * self.block_size if self.mode != "ar" else 0
+
+  @property
+  def verify_width(self) -> int:
+    return 1 + self.draft_width
+
+
+@struct.dataclass
+class _Stats:
+  rounds: jax.Array  # [B] target forwards after prefill
+  committed: jax.Array  # [B] tokens committed by those rounds
+  drafted: jax.Array  # [B]
+  accepted: jax.Array  # [B]
+  drafter_forwards: jax.Array  # [B]
+  target_tokens: jax.Array  # [B] tokens read by target forwards, prefill excluded
+  stage_hist: jax.Array  # [B, S_max + 1] rounds by number of stages drafted
+
+
+@struct.dataclass
+class _Loop:
+  cache: kv_lib.KVCache
+  drafter_state: Any
+  pending: jax.Array  # [B] last committed token, not yet read by the target
+  out: jax.Array  # [B, max_new + W] generated tokens
+  num_new: jax.Array  # [B]
+  done: jax.Array  # [B] bool
+  features: jax.Array  # [B, C, n_taps, D] captured target taps (AR capture only)
+  stats: _Stats
+  round: jax.Array  # scalar
+
+
+_TRACE_COUNT = 0
+_COMPILED: dict[_Static, Any] = {}
+
+
+def trace_count() -> int:
+  """How many times a decode program has been traced (and so compiled)."""
+  return _TRACE_COUNT
+
+
+def _commit_counts(*, new_tokens: jax.Array, num_valid: jax.Array, num_new: jax.Array,
+                   max_new_tokens: int, stop: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """How many of `new_tokens` each row commits, and whether it finishes.
+
+  A stop token is committed and ends the row; so does reaching max_new_tokens
+  (possibly in the middle of an accepted block).
+
+  Returns:
+    counts [B], finished [B].
+  """
+  w = new_tokens.shape[1]
+  t = jnp.arange(w)[None, :]
+  valid = t < num_valid[:, None]
+  if stop.size:
+    hit = valid & jnp.isin(new_tokens, stop)
+  else:
+    hit = jnp.zeros_like(valid)
+  first_stop = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), w)
+  counts = jnp.minimum(num_valid, first_stop + 1)
+  counts = jnp.minimum(counts, max_new_tokens - num_new)
+  counts = jnp.maximum(counts, 0)
+  finished = (num_valid > 0) & ((first_stop < counts) | (num_new + counts >= max_new_tokens))
+  return counts, finished
+
+
+def _pad_axis1(x: jax.Array, width: int) -> jax.Array:
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, width - x.shape[1])
+  return jnp.pad(x, pad)
+
+
+def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt_lengths,
+            key, gate):
+  """The whole generation as one traced program."""
+  global _TRACE_COUNT
+  _TRACE_COUNT += 1
+  s = static
+  target: Transformer = nnx.merge(s.target_graph, target_state)
+  drafter: Drafter | None = (nnx.merge(s.drafter_graph, drafter_state_params)
+                             if s.drafter_graph is not None else None)
+  b, tp, cap = s.batch_size, s.prompt_width, s.capacity
+  taps = tuple(drafter.taps) if drafter is not None else s.capture_taps
+  stop = jnp.asarray(s.stop_tokens, jnp.int32)
+  gamma = s.block_size
+  w_max = s.verify_width
+
+  # ------------------------------------------------------------------ prefill
+  cache = target.init_cache(batch_size=b, capacity=cap)
+  positions = jnp.broadcast_to(jnp.arange(tp)[None, :], (b, tp))
+  pre = target(prompts, positions=positions, cache=cache, taps=taps,
+               logit_positions=(prompt_lengths - 1)[:, None])
+  key, first_key = jax.random.split(key)
+  first = sampling_lib.next_token(first_key, pre.logits[:, 0], s.sampling)
+  cache = pre.cache.with_lengths(prompt_lengths)
+  counts, done = _commit_counts(new_tokens=first[:, None], num_valid=jnp.ones((b,), jnp.int32),
+                                num_new=jnp.zeros((b,), jnp.int32),
+                                max_new_tokens=s.max_new_tokens, stop=stop)
+  out = jnp.zeros((b, s.max_new_tokens + w_max), jnp.int32).at[:, 0].set(first)
+
+  n_taps = len(taps)
+  if s.capture_taps:
+    features = jnp.zeros((b, cap, n_taps, target.config.hidden_size), pre.taps.dtype)
+    features = kv_lib.write_rows(features, pre.taps, jnp.zeros((b,), jnp.int32))
+  else:
+    features = jnp.zeros((b, 0, n_taps, target.config.hidden_size), jnp.float32)
+
+  drafter_state = None
+  if drafter is not None:
+    drafter_state = drafter.init_state(batch_size=b, capacity=cap)
+    t = jnp.arange(tp)[None, :]
+    shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((b, 1), prompts.dtype)], axis=1)
+    next_tokens = jnp.where(t == (prompt_lengths - 1)[:, None], first[:, None], shifted)
+    drafter_state = drafter.commit(
+        drafter_state, tokens=prompts, features=pre.taps, next_tokens=next_tokens,
+        starts=jnp.zeros((b,), jnp.int32), counts=prompt_lengths)
+
+  zeros = jnp.zeros((b,), jnp.int32)
+  stats = _Stats(rounds=zeros, committed=zeros, drafted=zeros, accepted=zeros,
+                 drafter_forwards=zeros + (1 if drafter is not None else 0),
+                 target_tokens=zeros,
+                 stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32))
+  loop = _Loop(cache=cache, drafter_state=drafter_state, pending=first, out=out,
+               num_new=counts, done=done, features=features, stats=stats,
+               round=jnp.zeros((), jnp.int32))
+
+  def cond(lp: _Loop):
+    return jnp.any(~lp.done) & (lp.round < s.max_new_tokens)
+
+  def ar_round(lp: _Loop) -> _Loop:
+    active = ~lp.done
+    starts = lp.cache.lengths
+    o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=s.capture_taps)
+    token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
+    counts, finished = _commit_counts(new_tokens=token[:, None], num_valid=active.astype(jnp.int32),
+                                      num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
+    features = lp.features
+    if s.capture_taps:
+      features = kv_lib.write_rows(features, o.taps, starts)
+    st = lp.stats
+    st = st.replace(rounds=st.rounds + active, committed=st.committed + counts,
+                    target_tokens=st.target_tokens + active)
+    return lp.replace(
+        cache=o.cache.with_lengths(jnp.where(active, starts + 1, starts)),
+        pending=jnp.where(active, token, lp.pending),
+        out=kv_lib.write_rows(lp.out, token[:, None], lp.num_new),
+        num_new=lp.num_new + counts, done=lp.done | finished, features=features,
+        stats=st, round=lp.round + 1)
+
+  def speculative_round(lp: _Loop) -> _Loop:
+    active = ~lp.done
+    starts = lp.cache.lengths
+    round_key = jax.random.fold_in(key, lp.round)
+    draft_key, accept_key = jax.random.split(round_key)
+
+    # ------------------------------------------------------- gated drafting
+    drafts0 = jnp.zeros((b, s.draft_width), jnp.int32)
+    probs0 = (None if s.sampling.greedy else
+              jnp.zeros((b, s.draft_width, target.config.vocab_size), jnp.float32))
+
+    def stage_cond(c):
+      stage, _, _, _, _, going = c
+      return (stage < s.max_stages) & jnp.any(going)
+
+    def stage_body(c):
+      stage, dstate, drafts, probs, num_stages, going = c
+      dstate, drafted = drafter.draft_stage(
+          dstate, key=jax.random.fold_in(draft_key, stage), block_size=gamma, sampling=s.sampling)
+      drafts = jax.lax.dynamic_update_slice(drafts, drafted.tokens.astype(jnp.int32),
+                                            (0, stage * gamma))
+      if probs is not None:
+        probs = jax.lax.dynamic_update_slice(probs, drafted.probs.astype(jnp.float32),
+                                             (0, stage * gamma, 0))
+      num_stages = num_stages + going
+      if s.mode == "dloop":
+        confidence = gate_lib.stage_confidence(drafted.logprobs)
+        going = going & gate_lib.continue_drafting(
+            confidence, gate=gate, stages_done=stage + 1, max_stages=s.max_stages)
+      else:
+        going = jnp.zeros_like(going)
+      return stage + 1, dstate, drafts, probs, num_stages, going
+
+    _, dstate, drafts, probs, num_stages, _ = jax.lax.while_loop(
+        stage_cond, stage_body,
+        (jnp.zeros((), jnp.int32), lp.drafter_state, drafts0, probs0, zeros, active))
+
+    # ------------------------------------------- one verification, width by switch
+    num_drafts = num_stages * gamma
+
+    def verify_branch(stages: int):
+      m = stages * gamma
+
+      def branch(cache):
+        tokens = jnp.concatenate([lp.pending[:, None], drafts[:, :m]], axis=1)
+        positions = starts[:, None] + jnp.arange(m + 1)[None, :]
+        o = target(tokens, positions=positions, cache=cache, taps=drafter.taps)
+        if s.sampling.greedy:
+          acc = verify_lib.accept_greedy(logits=o.logits, drafts=drafts[:, :m], num_drafts=num_drafts)
+        else:
+          acc = verify_lib.accept_sampling(
+              key=accept_key, logits=o.logits, drafts=drafts[:, :m], draft_probs=probs[:, :m],
+              num_drafts=num_drafts, config=s.sampling)
+        return (o.cache, acc.num_accepted, _pad_axis1(acc.new_tokens, w_max),
+                _pad_axis1(o.taps, w_max), _pad_axis1(tokens, w_max),
+                jnp.asarray(m + 1, jnp.int32))
+
+      return branch
+
+    widest = jnp.max(jnp.where(active, num_stages, 1))
+    cache, k, new_tokens, taps_out, verify_tokens, width = jax.lax.switch(
+        widest - 1, [verify_branch(i) for i in range(1, s.max_stages + 1)], lp.cache)
+
+    # --------------------------------------------------------------- commit
+    counts, finished = _commit_counts(
+        new_tokens=new_tokens, num_valid=jnp.where(active, k + 1, 0), num_new=lp.num_new,
+        max_new_tokens=s.max_new_tokens, stop=stop)
+    committed = counts > 0
+    last = jnp.take_along_axis(new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    dstate = drafter.commit(dstate, tokens=verify_tokens, features=taps_out,
+                            next_tokens=new_tokens, starts=starts, counts=counts)
+    st = lp.stats
+    act = active.astype(jnp.int32)
+    st = st.replace(
+        rounds=st.rounds + act,
+        committed=st.committed + counts,
+        drafted=st.drafted + act * num_drafts,
+        accepted=st.accepted + jnp.minimum(k, counts),
+        drafter_forwards=st.drafter_forwards + act * (
+            num_stages * drafter.forwards_per_stage(gamma) + 1),
+        target_tokens=st.target_tokens + act * width,
+        stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
+            num_stages, s.max_stages + 1, dtype=jnp.int32))
+    return lp.replace(
+        cache=cache.with_lengths(jnp.where(committed, starts + counts, starts)),
+        drafter_state=dstate,
+        pending=jnp.where(committed, last, lp.pending),
+        out=kv_lib.write_rows(lp.out, new_tokens, lp.num_new),
+        num_new=lp.num_new + counts, done=lp.done | finished, stats=st, round=lp.round + 1)
+
+  loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else speculative_round, loop)
+  return loop.out[:, :s.max_new_tokens], loop.num_new, loop.stats, loop.features
+
+
+def _bucket(n: int, *, minimum: int = 16) -> int:
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target) -> None:
+  if mode not in MODES:
+    raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+  if mode == "ar":
+    return
+  if drafter is None:
+    raise ConfigError(f"mode {mode!r} needs a drafter (pass drafter=...), or use mode='ar'.")
+  if not isinstance(block_size, int) or block_size < 1:
+    raise ConfigError(f"block_size (gamma) must be an int >= 1, got {block_size!r}.")
+  limit = drafter.max_block_size()
+  if limit is not None and block_size > limit:
+    raise ConfigError(f"block_size {block_size} exceeds what drafter {drafter.name!r} can draft"
+                      f" in one stage ({limit}).")
+  if not isinstance(max_stages, int) or max_stages < 1:
+    raise ConfigError(f"max_stages (S_max) must be an int >= 1, got {max_stages!r}.")
+  if not isinstance(gate, (int, float)) or math.isnan(gate):
+    raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
+  drafter.check_target(target.config)
+
+
+def generate(
+    target: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    mode: str = "ar",
+    drafter: Drafter | None = None,
+    block_size: int | None = None,
+    gate: float = -0.5,
+    max_stages: int = 3,
+    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+    seed: int | jax.Array = 0,
+    stop_tokens: Sequence[int] = (),
+    capture_taps: Sequence[int] = (),
+) -> GenerationOutput:
+  """Generates continuations of a batch of token-id prompts.
+
+  Args:
+    target: the target model.
+    prompts: B prompts (lists of token ids, lengths may differ).
+    max_new_tokens: new tokens per row at most (the first comes from prefill).
+    mode: "ar", "sd" or "dloop".
+    drafter: drafter for "sd" / "dloop".
+    block_size: gamma, drafts per stage (default: the drafter's own).
+    gate: DLoop's confidence gate g (only "dloop").
+    max_stages: S_max (only "dloop"; "sd" always drafts one stage).
+    sampling: greedy by default.
+    seed: int or PRNG key.
+    stop_tokens: token ids that end a row (committed, then the row stops).
+    capture_taps: ("ar" only) also return the target's tapped hidden states at
+      every position read during generation.
+
+  Returns:
+    A `GenerationOutput` with the new tokens and statistics of every row.
+  """
+  if block_size is None and drafter is not None:
+    block_size = drafter.block_size
+  if mode == "sd":
+    max_stages = 1
+  _validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
+            max_stages=max_stages, max_new_tokens=max_new_tokens, target=target)
+  if not isinstance(sampling, sampling_lib.SamplingConfig):
+    raise ConfigError("sampling must be a SamplingConfig.")
+  if capture_taps and mode != "ar":
+    raise ConfigError("capture_taps is only supported in mode='ar'.")
+  prompts = [list(map(int, p)) for p in prompts]
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ConfigError("Every prompt needs at least one token.")
+  config = target.config
+  vocab = config.vocab_size
+  for p in prompts:
+    if min(p) < 0 or max(p) >= vocab:
+      raise ConfigError(f"Prompt token ids must be in [0, {vocab}); got {min(p)}..{max(p)}.")
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > config.max_position_embeddings:
+    raise PromptTooLongError(
+        f"Prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the context"
+        f" window of {config.max_position_embeddings} tokens of {config.name or 'the target'};"
+        " shorten the prompt or ask for fewer new tokens.")
+
+  is_ar = mode == "ar"
+  s_max = 1 if is_ar else max_stages
+  gamma = 0 if is_ar else block_size
+  tp = _bucket(longest)
+  capacity = _bucket(tp + max_new_tokens + s_max * gamma + 1, minimum=64)
+  target_graph, target_state = nnx.split(target)
+  drafter_graph, drafter_params = (nnx.split(drafter) if (drafter is not None and not is_ar)
+                                   else (None, None))
+  static = _Static(
+      target_graph=target_graph, drafter_graph=drafter_graph, mode=mode, block_size=gamma,
+      max_stages=s_max, sampling=sampling, max_new_tokens=max_new_tokens,
+      stop_tokens=tuple(sorted(set(int(t) for t in stop_tokens))),
+      capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
+      prompt_width=tp, capacity=capacity)
+
+  padded = np.zeros((len(prompts), tp), np.int32)
+  for i, p in enumerate(prompts):
+    padded[i, :len(p)] = p
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  key = jax.random.key(seed) if isinstance(seed, int) else seed
+  args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
+          jnp.asarray(gate, jnp.float32))
+
+  compile_seconds = 0.0
+  compiled = _COMPILED.get(static)
+  if compiled is None:
+    t0 = time.perf_counter()
+    compiled = jax.jit(_decode, static_argnums=0).lower(static, *args).compile()
+    compile_seconds = time.perf_counter() - t0
+    _COMPILED[static] = compiled
+  t0 = time.perf_counter()
+  out, num_new, stats, features = compiled(*args)
+  out = np.asarray(jax.device_get(out))
+  seconds = time.perf_counter() - t0
+  num_new = np.asarray(num_new)
+  stats = jax.device_get(stats)
+  rows = []
+  for i in range(len(prompts)):
+    n = int(num_new[i])
+    rows.append(RowStats(
+        new_tokens=n, rounds=int(stats.rounds[i]), committed_in_rounds=int(stats.committed[i]),
+        drafted=int(stats.drafted[i]), accepted=int(stats.accepted[i]),
+        drafter_forwards=int(stats.drafter_forwards[i]) if not is_ar else 0,
+        target_tokens=int(stats.target_tokens[i]),
+        stage_histogram=[int(x) for x in stats.stage_hist[i]] if not is_ar else []))
+  feats = None
+  if capture_taps:
+    feats_np = np.asarray(features)
+    # Positions read by the target: the prompt and every new token but the last.
+    feats = [feats_np[i, :len(prompts[i]) + int(num_new[i]) - 1] for i in range(len(prompts))]
+  return GenerationOutput(
+      tokens=[out[i, :int(num_new[i])].tolist() for i in range(len(prompts))],
+      rows=rows, seconds=seconds, compile_seconds=compile_seconds, mode=mode,
+      block_size=gamma or None, gate=float(gate) if mode == "dloop" else None,
+      max_stages=s_max if not is_ar else None, features=feats)

@@ -1,0 +1,124 @@
+"""The interface every drafter implements for the decoding engine.
+
+A drafter is an `nnx.Module` used functionally: the engine splits it into
+`(graphdef, state)` outside `jax.jit` and merges it inside. Everything that
+changes during decoding (its KV cache, pending hidden states) lives in an
+explicit pytree, the *drafter state*, passed in and returned.
+
+The engine talks to a drafter in two calls:
+
+  * `commit`: after the prompt prefill and after every verification, the
+    target's tapped hidden states for the newly committed positions, paired
+    with the token that follows each position. The drafter first discards
+    anything it holds at or past `starts` (its own unverified drafts of the
+    previous round), then ingests the `counts[b]` valid pairs.
+
+        position     n    n+1   ...  n+k
+        tokens       x_n  d_1   ...  d_k        (what the target read)
+        features     f_n  f_n+1 ...  f_n+k      (target taps there)
+        next_tokens  d_1  d_2   ...  bonus      (committed after each)
+
+  * `draft_stage`: one drafting stage of `block_size` tokens, continuing after
+    everything committed and after the drafter's own earlier stages of this
+    round. At unverified positions there are no target features; the drafter
+    conditions on its own hidden states there (DLoop's looped stages).
+
+Autoregressive drafters (EAGLE-3) draft a stage as `block_size` sequential
+steps; parallel drafters (block / DFlash-style) in one forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from flax import struct
+
+from dloop_jax.decoding.sampling import SamplingConfig
+from dloop_jax.errors import DrafterMismatchError
+from dloop_jax.models.config import TransformerConfig
+
+DrafterState = Any  # a pytree of arrays
+
+
+@struct.dataclass
+class DraftStage:
+  """One stage of drafts.
+
+  Attributes:
+    tokens: [B, gamma] int32 drafted tokens (target vocabulary ids).
+    logprobs: [B, gamma] f32 drafter log-probabilities of those tokens under
+      its unprocessed (temperature 1) distribution: the gate's score.
+    probs: [B, gamma, V] f32 processed draft distribution over the target
+      vocabulary the tokens were sampled from (sampling only, else None).
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  probs: jax.Array | None = None
+
+
+class Drafter(nnx.Module):
+  """Base class of drafters.
+
+  Subclasses set, in `__init__`:
+    kind: "autoregressive" or "parallel".
+    taps: target decoder layers whose outputs the drafter consumes.
+    block_size: the stage size gamma it was built / trained for.
+    target_fingerprint: `tuple(sorted(TransformerConfig.fingerprint.items()))`
+      of its target (a tuple: static module attributes must be hashable).
+    name: human-readable name.
+  """
+
+  kind: str
+  taps: tuple[int, ...]
+  block_size: int
+  target_fingerprint: tuple
+  name: str = "drafter"
+
+  def forwards_per_stage(self, block_size: int) -> int:
+    """Drafter forward passes one stage costs (statistics)."""
+    return block_size if self.kind == "autoregressive" else 1
+
+  def max_block_size(self) -> int | None:
+    """Largest stage size it can draft (None = any)."""
+    return None if self.kind == "autoregressive" else self.block_size
+
+  def check_target(self, config: TransformerConfig) -> None:
+    """Raises DrafterMismatchError unless this drafter was built for `config`."""
+    mine = dict(self.target_fingerprint)
+    theirs = config.fingerprint
+    diffs = [f"{k}: drafter expects {mine[k]!r}, target has {theirs.get(k)!r}"
+             for k in mine if k in theirs and mine[k] != theirs[k]]
+    bad_taps = [t for t in self.taps if not 0 <= t < config.num_layers]
+    if bad_taps:
+      diffs.append(f"tapped layers {bad_taps} do not exist in a {config.num_layers}-layer target")
+    if diffs:
+      raise DrafterMismatchError(
+          f"Drafter {self.name!r} was built for another target"
+          f" ({config.name or 'this one'}): " + "; ".join(diffs)
+          + ". Use a drafter trained for this target.")
+
+  def init_state(self, *, batch_size: int, capacity: int) -> DrafterState:
+    """Empty drafter state for `batch_size` rows and `capacity` positions."""
+    raise NotImplementedError
+
+  def commit(self, state: DrafterState, *, tokens: jax.Array, features: jax.Array,
+             next_tokens: jax.Array, starts: jax.Array, counts: jax.Array) -> DrafterState:
+    """Ingests target features of newly committed positions.
+
+    Args:
+      state: drafter state.
+      tokens: [B, W] tokens at positions `starts[b] + t`.
+      features: [B, W, n_taps, D] target taps at those positions.
+      next_tokens: [B, W] the committed token following each position.
+      starts: [B] first position; the drafter drops what it holds at or after it.
+      counts: [B] valid entries per row (0 = row unchanged, e.g. finished).
+    """
+    raise NotImplementedError
+
+  def draft_stage(self, state: DrafterState, *, key: jax.Array, block_size: int,
+                  sampling: SamplingConfig) -> tuple[DrafterState, DraftStage]:
+    """Drafts the next `block_size` tokens after everything it holds."""
+    raise NotImplementedError
