@@ -1,0 +1,296 @@
+"""Export and load trained drafters.
+
+An export is a directory:
+
+    drafter.json   format version, drafter kind / name / config, taps, block
+                   size, the target it belongs to (name + fingerprint),
+                   training metrics, and the name, shape and dtype of every array
+    arrays/        Orbax checkpoint {"params": {name: array}, "model_state": {...}}
+                   trainable weights (nnx.Param) stored in bfloat16, other
+                   non-frozen variables (e.g. vocabulary maps) as they are
+
+Frozen weights shared with the target (its embedding, LM head) are not stored:
+`load_drafter` takes them from the target it is given, after checking that the
+drafter was trained for that target. `drafter.json` is written last, so a
+directory holding it holds a complete export.
+
+Names (not paths) resolve to drafters shipped in the package, under
+`dloop_jax/drafters/weights/<name>/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from dloop_jax.drafters import base as base_lib
+from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
+
+FORMAT = "dloop_jax.drafter"
+VERSION = 1
+INFO_FILE = "drafter.json"
+ARRAYS_DIR = "arrays"
+STORAGE_DTYPE = jnp.bfloat16
+WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
+
+
+def _frozen_type() -> type | None:
+  return getattr(base_lib, "Frozen", None)
+
+
+def split_drafter(drafter: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State, nnx.State]:
+  """(graphdef, params, frozen, rng, model_state) of a drafter.
+
+  params: nnx.Param (trained); frozen: target-shared weights (never trained,
+  never stored); rng: RNG streams; model_state: everything else (stored).
+  """
+  frozen_type = _frozen_type()
+  frozen_filter = frozen_type if frozen_type is not None else nnx.Nothing()
+  # Frozen first: it wins should a drafter's frozen type also subclass Param.
+  graphdef, frozen, params, rng, model_state = nnx.split(
+      drafter, frozen_filter, nnx.Param, nnx.RngState, ...)
+  return graphdef, params, frozen, rng, model_state
+
+
+def _flat(state: nnx.State) -> dict[str, Any]:
+  return {"/".join(str(p) for p in path): var.get_value()
+          for path, var in nnx.to_flat_state(state)}
+
+
+def _with_values(state: nnx.State, values: Mapping[str, Any]) -> nnx.State:
+  return nnx.from_flat_state([
+      (path, var.replace(values["/".join(str(p) for p in path)]))
+      for path, var in nnx.to_flat_state(state)])
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                        jnp.floating)
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, Mapping):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, (np.generic, jax.Array, np.ndarray)):
+    return np.asarray(value).tolist()
+  return value
+
+
+def drafter_config_of(drafter: nnx.Module) -> dict[str, Any]:
+  fn = getattr(drafter, "drafter_config", None)
+  if fn is None:
+    raise ConfigError(f"Drafter {type(drafter).__name__} has no drafter_config(); it cannot be"
+                      " exported (load_drafter rebuilds drafters from it).")
+  return _jsonable(fn())
+
+
+def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name: str = "",
+                   metrics: Mapping[str, Any] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> str:
+  """Writes `drafter` (weights + config + its target's identity) to `path`.
+
+  Every process must call it (the array write is collective); only process 0
+  writes the JSON.
+
+  Args:
+    drafter: the drafter (weights may be sharded).
+    path: export directory (replaced if it exists).
+    target_name: name of the target it was trained for (informational; the
+      fingerprint decides compatibility).
+    metrics: final training metrics to record.
+    extra: more JSON-serializable provenance (step, run config, ...).
+
+  Returns:
+    The export directory.
+  """
+  path = os.path.abspath(os.fspath(path))
+  _, params, _, _, model_state = split_drafter(drafter)
+  flat_params = {k: jnp.asarray(v).astype(STORAGE_DTYPE) if _is_float(v) else v
+                 for k, v in _flat(params).items()}
+  flat_model = _flat(model_state)
+  info_path = os.path.join(path, INFO_FILE)
+  if jax.process_index() == 0:
+    os.makedirs(path, exist_ok=True)
+    if os.path.exists(info_path):
+      os.remove(info_path)  # the export is incomplete until the new JSON lands
+  arrays = {"params": flat_params}
+  if flat_model:
+    arrays["model_state"] = flat_model
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.join(path, ARRAYS_DIR), arrays, force=True)
+    checkpointer.wait_until_finished()
+
+  def describe(tree):
+    return {k: {"shape": list(np.shape(v)), "dtype": str(jnp.asarray(v).dtype)}
+            for k, v in tree.items()}
+
+  info = {
+      "format": FORMAT,
+      "version": VERSION,
+      "kind": getattr(drafter, "kind", None),
+      "name": getattr(drafter, "name", type(drafter).__name__),
+      "drafter_config": drafter_config_of(drafter),
+      "taps": list(getattr(drafter, "taps", ())),
+      "block_size": getattr(drafter, "block_size", None),
+      "target": {"name": target_name,
+                 "fingerprint": _jsonable(dict(getattr(drafter, "target_fingerprint", ())))},
+      "params": describe(flat_params),
+      "model_state": describe(flat_model),
+      "metrics": _jsonable(dict(metrics or {})),
+      **({"extra": _jsonable(dict(extra))} if extra else {}),
+  }
+  if jax.process_index() == 0:
+    tmp = info_path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(info, f, indent=1, sort_keys=True)
+    os.replace(tmp, info_path)
+  return path
+
+
+def shipped_drafters() -> list[str]:
+  """Names of drafters shipped in the package."""
+  if not os.path.isdir(WEIGHTS_DIR):
+    return []
+  return sorted(n for n in os.listdir(WEIGHTS_DIR)
+                if os.path.exists(os.path.join(WEIGHTS_DIR, n, INFO_FILE)))
+
+
+def resolve(name_or_path: str | os.PathLike) -> str:
+  """An export directory from a path, a training workdir or a shipped name."""
+  p = os.fspath(name_or_path)
+  for candidate in (p, os.path.join(p, "export"), os.path.join(WEIGHTS_DIR, p)):
+    if os.path.isfile(os.path.join(candidate, INFO_FILE)):
+      return os.path.abspath(candidate)
+  if os.path.isdir(p):
+    raise ModelLoadError(
+        f"{p} holds no drafter export ({INFO_FILE} missing). Point to an export directory"
+        " (written by `python -m train` under <workdir>/export) or a training workdir.")
+  names = shipped_drafters()
+  raise ModelLoadError(
+      f"No drafter {p!r}: not a directory, and not a shipped drafter"
+      f" ({', '.join(names) if names else 'none are shipped'}).")
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+  """The `drafter.json` of an export (path already resolved)."""
+  info_path = os.path.join(os.fspath(path), INFO_FILE)
+  try:
+    with open(info_path) as f:
+      info = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ModelLoadError(f"Cannot read {info_path}: {e}. The export is incomplete or"
+                         " corrupt; export it again.") from e
+  if info.get("format") != FORMAT:
+    raise ModelLoadError(f"{info_path} is not a dloop_jax drafter export"
+                         f" (format {info.get('format')!r}).")
+  if int(info.get("version", 0)) > VERSION:
+    raise ModelLoadError(f"{info_path} has format version {info['version']}; this library"
+                         f" reads up to {VERSION}. Upgrade dloop_jax.")
+  return info
+
+
+def check_target(info: Mapping[str, Any], target_config: Any, *, source: str) -> None:
+  """Raises DrafterMismatchError unless the export was trained for `target_config`."""
+  mine = dict(info.get("target", {}).get("fingerprint", {}))
+  theirs = target_config.fingerprint
+  diffs = [f"{k}: drafter expects {mine[k]!r}, target has {theirs.get(k)!r}"
+           for k in sorted(mine) if k in theirs and mine[k] != theirs[k]]
+  bad_taps = [t for t in info.get("taps", ()) if not 0 <= t < target_config.num_layers]
+  if bad_taps:
+    diffs.append(f"tapped layers {bad_taps} do not exist in a"
+                 f" {target_config.num_layers}-layer target")
+  if diffs:
+    trained_for = info.get("target", {}).get("name") or "another target"
+    raise DrafterMismatchError(
+        f"Drafter {source} was trained for {trained_for!r}, not for"
+        f" {target_config.name or 'this target'!r}: " + "; ".join(diffs)
+        + ". Use a drafter trained for this target.")
+
+
+def read_arrays(path: str | os.PathLike, info: Mapping[str, Any]
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+  """(params, model_state) of an export as stored (bf16 params), on the host."""
+  def abstract(desc):
+    return {k: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
+            for k, d in desc.items()}
+
+  target = {"params": abstract(info["params"])}
+  if info.get("model_state"):
+    target["model_state"] = abstract(info["model_state"])
+  arrays_dir = os.path.join(os.fspath(path), ARRAYS_DIR)
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      out = checkpointer.restore(arrays_dir, target)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ModelLoadError(f"Cannot read the drafter weights in {arrays_dir}"
+                         f" ({type(e).__name__}: {str(e).splitlines()[0][:300]}). The export"
+                         " is truncated or corrupt; export it again.") from e
+  return ({k: np.asarray(v) for k, v in out["params"].items()},
+          {k: np.asarray(v) for k, v in out.get("model_state", {}).items()})
+
+
+def assign(state: nnx.State, values: Mapping[str, Any], *, dtype: Any, what: str,
+           source: str) -> nnx.State:
+  """`state` with its arrays replaced by `values` (floats cast to `dtype`).
+
+  Raises:
+    ModelLoadError: names or shapes differ.
+  """
+  current = _flat(state)
+  missing = sorted(set(current) - set(values))
+  unexpected = sorted(set(values) - set(current))
+  if missing or unexpected:
+    raise ModelLoadError(f"{what} in {source} do not fit the drafter its config builds:"
+                         f" missing {missing}, unexpected {unexpected}.")
+  cast = {}
+  for k, v in values.items():
+    if tuple(np.shape(v)) != tuple(np.shape(current[k])):
+      raise ModelLoadError(f"{what} {k!r} in {source} has shape {tuple(np.shape(v))}, the"
+                           f" drafter needs {tuple(np.shape(current[k]))}.")
+    want = dtype if _is_float(current[k]) else current[k].dtype
+    cast[k] = jnp.asarray(v).astype(want)
+  return _with_values(state, cast)
+
+
+def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
+                 rngs: nnx.Rngs | None = None) -> nnx.Module:
+  """Rebuilds an exported drafter for `target` and loads its weights.
+
+  Args:
+    name_or_path: export directory, training workdir (its `export/`), or the
+      name of a shipped drafter.
+    target: the target `Transformer` it drafts for; frozen shared weights
+      come from it and float weights are cast to its dtype.
+    rngs: RNG streams for the drafter's construction (weights are overwritten).
+
+  Raises:
+    ModelLoadError: missing, incomplete or corrupt export.
+    DrafterMismatchError: it was trained for another target.
+  """
+  from dloop_jax.drafters import build_drafter  # local: registry imports every drafter
+
+  path = resolve(name_or_path)
+  info = read_info(path)
+  check_target(info, target.config, source=path)
+  params_values, model_values = read_arrays(path, info)
+  drafter = build_drafter(dict(info["drafter_config"]), target=target,
+                          rngs=rngs if rngs is not None else nnx.Rngs(0))
+  _, params, _, _, model_state = split_drafter(drafter)
+  dtype = getattr(target, "dtype", jnp.float32)
+  nnx.update(drafter, assign(params, params_values, dtype=dtype, what="Weights", source=path))
+  if model_values or _flat(model_state):
+    nnx.update(drafter, assign(model_state, model_values, dtype=dtype, what="Variables",
+                               source=path))
+  if hasattr(drafter, "check_target"):
+    drafter.check_target(target.config)
+  return drafter

@@ -1,0 +1,159 @@
+"""The training config schema: `base_config()` and its validation.
+
+Config files (`configs/*.py`) start from `base_config()`, which is locked: a
+misspelt key in a config file or on the command line (`--config.optim.lr=...`)
+fails at once with a "did you mean" suggestion instead of being silently added.
+The sections `drafter`, `objective_cfg`, `data.options` and `target.overrides`
+are free-form (their keys belong to the drafter, the objective, the data
+pipeline and the tiny target, which validate them); config files replace them
+wholesale.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import ml_collections
+
+from dloop_jax.errors import ConfigError
+from dloop_jax.training import sharding as sharding_lib
+
+OBJECTIVES = ("eagle3_ttt", "block", "loop_aware")
+DTYPES = ("float32", "bfloat16")
+DISTRIBUTED_MODES = ("auto", "on", "off")
+FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Defaults of every training option (locked)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_steps = 1000
+  c.log_every_steps = 10
+  # What is trained.
+  c.target = ml_collections.ConfigDict(dict(
+      # "tiny": a random tiny target (tests, tiny configs); otherwise anything
+      # `dloop_jax.models.load_target` takes: a registry name
+      # ("smollm2-135m-instruct"), a .gguf file or a Hugging Face directory.
+      model="tiny",
+      dtype="float32",
+      seed=1,  # tiny only
+      init_std=0.3,  # tiny only
+      overrides=ml_collections.ConfigDict(),  # tiny only: TransformerConfig fields
+  ))
+  c.drafter = ml_collections.ConfigDict(dict(kind="eagle3"))
+  c.objective = "eagle3_ttt"
+  c.objective_cfg = ml_collections.ConfigDict()
+  # Where the data comes from. "tiny_random": the tiny target answers random
+  # prompts (built into the workdir on first start); "path": a dataset built
+  # with `python -m train.data`.
+  c.data = ml_collections.ConfigDict(dict(
+      source="tiny_random",
+      path="",
+      batch_size=8,  # global, over all processes
+      seq_len=64,
+      num_examples=256,  # tiny_random only
+      shuffle_seed=0,
+      worker_count=0,
+      options=ml_collections.ConfigDict(),
+  ))
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=3e-4,
+      warmup_steps=50,
+      end_lr_ratio=0.1,  # cosine decays to learning_rate * end_lr_ratio
+      weight_decay=0.0,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      grad_clip_norm=0.5,
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.sharding = ml_collections.ConfigDict(dict(
+      rules=[list(r) for r in sharding_lib.DEFAULT_RULES],
+      min_shard_size=sharding_lib.DEFAULT_MIN_SHARD_SIZE,
+  ))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=200,
+      keep=3,
+      async_save=True,
+  ))
+  # A previous run to start from (its workdir, or a drafter export):
+  # loop-aware fine-tuning starts from a normally trained drafter.
+  c.init_from = ""
+  c.export = ml_collections.ConfigDict(dict(enabled=True, path=""))  # "" = <workdir>/export
+  # "module:attribute" of a `TrainHooks` replacing how the target, drafter,
+  # loss and data are built (custom drafters, tests).
+  c.hooks = ""
+  c.distributed = "auto"
+  c.progress_bar = True
+  c.tensorboard = True
+  c.lock()
+  return c
+
+
+def _walk(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    yield path, value
+    if isinstance(value, (ml_collections.ConfigDict, dict)) and path not in FREE_FORM:
+      yield from _walk(value, path + ".")
+
+
+def all_keys(config: Mapping[str, Any]) -> list[str]:
+  """Dotted paths of every key (free-form sections not descended into)."""
+  return [k for k, _ in _walk(config)]
+
+
+def suggest(key: str, candidates: list[str]) -> str:
+  close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+  if not close:
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+    hit = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+    close = [by_leaf[hit[0]]] if hit else []
+  return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validate(config: Mapping[str, Any]) -> None:
+  """Raises ConfigError for unknown keys (with a suggestion) and bad values."""
+  known = all_keys(base_config())
+  for key in all_keys(config):
+    if key not in known and not any(key.startswith(f + ".") for f in FREE_FORM):
+      raise ConfigError(f"Unknown config key {key!r}{suggest(key, known)}")
+  missing = [k for k in known if k not in all_keys(config)]
+  if missing:
+    raise ConfigError(f"Config lacks keys {missing}; build configs from"
+                      " dloop_jax.training.config.base_config().")
+  c = config
+  if c["objective"] not in OBJECTIVES:
+    raise ConfigError(f"objective must be one of {OBJECTIVES}, got {c['objective']!r}.")
+  if not c["target"]["model"]:
+    raise ConfigError("target.model is empty; use 'tiny', a registry name, a .gguf file or a"
+                      " Hugging Face directory.")
+  if c["target"]["dtype"] not in DTYPES:
+    raise ConfigError(f"target.dtype must be one of {DTYPES}, got {c['target']['dtype']!r}.")
+  if c["distributed"] not in DISTRIBUTED_MODES:
+    raise ConfigError(f"distributed must be one of {DISTRIBUTED_MODES}, got"
+                      f" {c['distributed']!r}.")
+  for key in ("num_steps", "log_every_steps"):
+    if not isinstance(c[key], int) or c[key] < 1:
+      raise ConfigError(f"{key} must be an int >= 1, got {c[key]!r}.")
+  if not isinstance(c["data"]["batch_size"], int) or c["data"]["batch_size"] < 1:
+    raise ConfigError(f"data.batch_size must be an int >= 1, got {c['data']['batch_size']!r}.")
+  if not isinstance(c["checkpoint"]["every_steps"], int) or c["checkpoint"]["every_steps"] < 1:
+    raise ConfigError("checkpoint.every_steps must be an int >= 1, got"
+                      f" {c['checkpoint']['every_steps']!r}.")
+  if "kind" not in c["drafter"]:
+    raise ConfigError("drafter.kind is required (e.g. 'eagle3' or 'block').")
+  sharding_lib.normalize_rules(c["sharding"]["rules"])
+
+
+def to_plain(value: Any) -> Any:
+  """ConfigDict / FrozenConfigDict / tuples -> JSON-serializable plain values."""
+  if isinstance(value, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict, Mapping)):
+    return {str(k): to_plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_plain(v) for v in value]
+  return value

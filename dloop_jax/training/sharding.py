@@ -1,0 +1,257 @@
+"""Device mesh, logical axis rules and `NamedSharding`s for training state.
+
+The mesh has three axes (MaxText naming):
+
+    data    pure data parallelism: parameters replicated, batch split.
+    fsdp    data parallelism with parameters (and optimizer state) split.
+    tensor  tensor parallelism: the feature axes of matmuls split.
+
+A parameter's `PartitionSpec` comes from, in order:
+
+  1. its `out_sharding` metadata (`nnx.with_partitioning` / `nnx.Param(...,
+     out_sharding=...)`): logical axis names mapped to mesh axes by the rules
+     table (`config.sharding.rules`), names that already are mesh axes kept;
+  2. otherwise a shape heuristic: split the largest dimension divisible by the
+     fsdp size over `fsdp`, and another dimension divisible by the tensor size
+     over `tensor`. GSPMD keeps any placement numerically correct, so the
+     heuristic only decides memory and communication, never the result.
+
+Batches are split over `("data", "fsdp")` on their leading axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dloop_jax.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical axis -> mesh axes. Names the drafters and targets annotate with.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", "tensor"),
+    ("qkv", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("taps", None),
+    ("seq", None),
+    ("length", None),
+    ("norm", None),
+)
+
+# Arrays below this many elements stay replicated under the heuristic:
+# splitting a norm scale saves nothing and costs a gather per use.
+DEFAULT_MIN_SHARD_SIZE = 1024
+
+
+def make_mesh(mesh_config: Mapping[str, int], *,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, tensor) mesh.
+
+  Args:
+    mesh_config: axis name -> size; one axis may be -1 (all remaining devices).
+      Axes left out have size 1.
+    devices: devices to use (default: all of them, in `jax.devices()` order).
+
+  Returns:
+    A `Mesh` with Auto axes (GSPMD propagates shardings inside `jax.jit`).
+  """
+  unknown = sorted(set(mesh_config) - set(MESH_AXES))
+  if unknown:
+    raise ConfigError(f"Unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}.")
+  devices = list(devices) if devices is not None else jax.devices()
+  sizes = [int(mesh_config.get(a, 1)) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ConfigError(f"At most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ConfigError(f"Mesh axis sizes must be positive (or one -1), got"
+                      f" {dict(zip(MESH_AXES, sizes))}.")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ConfigError(f"{len(devices)} devices cannot fill mesh {dict(zip(MESH_AXES, sizes))}.")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ConfigError(
+        f"Mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, there are"
+        f" {len(devices)}. Set one axis to -1 to use all devices.")
+  if jax.process_count() > 1 and devices == jax.devices():
+    # Hybrid layout: keeps data-parallel groups within hosts when possible.
+    mesh_devices = mesh_utils.create_device_mesh(sizes, devices=devices)
+  else:
+    mesh_devices = np.asarray(devices, dtype=object).reshape(sizes)
+  return Mesh(mesh_devices, MESH_AXES,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def normalize_rules(rules: Sequence[Sequence[Any]] | None) -> tuple[tuple[str, Any], ...]:
+  """Config rules (lists from JSON / the command line) -> tuple of (name, axes) pairs."""
+  if rules is None:
+    return DEFAULT_RULES
+  out = []
+  for rule in rules:
+    if len(rule) != 2:
+      raise ConfigError(f"A sharding rule is a (logical name, mesh axes) pair, got {rule!r}.")
+    name, axes = rule
+    if isinstance(axes, list):
+      axes = tuple(axes)
+    for a in (axes if isinstance(axes, tuple) else (axes,)):
+      if a is not None and a not in MESH_AXES:
+        raise ConfigError(f"Sharding rule {rule!r} names mesh axis {a!r}; mesh axes are"
+                          f" {list(MESH_AXES)}.")
+    out.append((str(name), axes))
+  return tuple(out)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Iterator[None]:
+  """Mesh + logical rules in scope: NNX variables annotated with `out_sharding`
+  are created sharded (flax 0.12 shards them eagerly and needs both)."""
+  with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(tuple(rules)):
+    yield
+
+
+def logical_to_spec(names: Sequence[str | None], *, rules: Sequence[tuple[str, Any]],
+                    mesh: Mesh, shape: Sequence[int] | None = None) -> PartitionSpec:
+  """Maps logical axis names to a PartitionSpec over `mesh`.
+
+  A mesh axis is used at most once (the first dimension claiming it wins), and
+  mesh axes that do not divide the dimension are dropped, so a valid spec
+  always comes out.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  out: list[Any] = []
+  for i, name in enumerate(names):
+    if name is None:
+      out.append(None)
+      continue
+    axes = table.get(name, name if name in MESH_AXES else None)
+    axes = axes if isinstance(axes, tuple) else ((axes,) if axes is not None else ())
+    keep = []
+    size = 1
+    for a in axes:
+      if a in used or mesh.shape[a] == 1:
+        continue
+      if shape is not None and shape[i] % (size * mesh.shape[a]):
+        continue
+      keep.append(a)
+      size *= mesh.shape[a]
+    used.update(keep)
+    out.append(None if not keep else (keep[0] if len(keep) == 1 else tuple(keep)))
+  return PartitionSpec(*out)
+
+
+def heuristic_spec(shape: Sequence[int], *, mesh: Mesh,
+                   min_size: int = DEFAULT_MIN_SHARD_SIZE) -> PartitionSpec:
+  """fsdp on the largest divisible dimension, tensor on the next one."""
+  spec: list[Any] = [None] * len(shape)
+  if not shape or math.prod(shape) < min_size:
+    return PartitionSpec(*spec)
+  order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+  for axis in ("fsdp", "tensor"):
+    n = mesh.shape[axis]
+    if n == 1:
+      continue
+    for i in order:
+      if spec[i] is None and shape[i] % n == 0:
+        spec[i] = axis
+        break
+  return PartitionSpec(*spec)
+
+
+def variable_spec(variable: nnx.Variable, *, mesh: Mesh, rules: Sequence[tuple[str, Any]],
+                  min_size: int = DEFAULT_MIN_SHARD_SIZE) -> PartitionSpec:
+  """PartitionSpec of one NNX variable (annotation first, then heuristic)."""
+  value = variable.get_value()
+  shape = tuple(getattr(value, "shape", ()))
+  names = variable.get_metadata().get("out_sharding")
+  if isinstance(names, PartitionSpec):
+    names = tuple(names)
+  if names:
+    if len(names) != len(shape):
+      raise ConfigError(f"Sharding annotation {names} has {len(names)} axes, the array has"
+                        f" shape {shape}.")
+    return logical_to_spec(names, rules=rules, mesh=mesh, shape=shape)
+  return heuristic_spec(shape, mesh=mesh, min_size=min_size)
+
+
+def flat_key(path: Sequence[Any]) -> str:
+  """A state path as a checkpoint-friendly string key ("layers/0/kernel")."""
+  return "/".join(str(p) for p in path)
+
+
+def flat_values(state: nnx.State) -> dict[str, Any]:
+  """nnx.State -> {flat key: array}, the layout of checkpoints and exports."""
+  return {flat_key(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def flat_shardings(state: nnx.State, *, mesh: Mesh, rules: Sequence[tuple[str, Any]],
+                   min_size: int = DEFAULT_MIN_SHARD_SIZE) -> dict[str, NamedSharding]:
+  """{flat key: NamedSharding} for every variable of `state`."""
+  return {flat_key(path): NamedSharding(mesh, variable_spec(var, mesh=mesh, rules=rules,
+                                                            min_size=min_size))
+          for path, var in nnx.to_flat_state(state)}
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Leading (batch) axis over data x fsdp, the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_divisor(mesh: Mesh) -> int:
+  """The global batch must be a multiple of this."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def put_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Process-local numpy batch -> global arrays split over data x fsdp.
+
+  Each process passes its own rows (the data pipeline shards by process); the
+  global batch is their concatenation in process order.
+  """
+  out = {}
+  for name, value in batch.items():
+    value = np.asarray(value)
+    sharding = batch_sharding(mesh, value.ndim)
+    if jax.process_count() == 1:
+      out[name] = jax.device_put(value, sharding)
+    else:
+      out[name] = jax.make_array_from_process_local_data(sharding, value)
+  return out
+
+
+def describe(shardings: Mapping[str, NamedSharding], shapes: Mapping[str, Sequence[int]]) -> str:
+  """One line per array: name, shape, spec (logged at start-up)."""
+  width = max((len(k) for k in shardings), default=0)
+  return "\n".join(f"  {k:<{width}}  {tuple(shapes[k])!s:<18} {shardings[k].spec}"
+                   for k in sorted(shardings))
+
+
+def log_layout(shardings: Mapping[str, NamedSharding], shapes: Mapping[str, Sequence[int]],
+               title: str) -> None:
+  logging.info("%s:\n%s", title, describe(shardings, shapes))

@@ -1,0 +1,616 @@
+"""Drafter training: sharded jit train step, checkpoint / resume, logging, export.
+
+Flow of `train(config, workdir)`:
+
+    target (frozen)  ->  drafter = build_drafter(config.drafter, target)   inside the mesh
+    split: params (nnx.Param, trained) | frozen (target-shared) | rng | model_state
+    params, AdamW state: NamedSharding from the logical rules (fsdp / tensor)
+    data: Grain iterator of numpy batches, checked against the drafter's taps
+    resume from <workdir>/checkpoints (newest readable step), else `init_from`
+    loop: batch -> global arrays over (data, fsdp) -> jit step (donates the
+          state) -> metrics (JSONL, TensorBoard, progress bar) -> async save
+    export <workdir>/export: the drafter alone, for `load_drafter`
+
+Determinism: update i uses the key `fold_in(key(seed), i)` and the i-th batch
+of the iterator, whose position is part of every checkpoint, so a run killed
+at any point and restarted reproduces the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+# `dloop_jax.drafters.base` imports `dloop_jax.decoding`, whose engine imports
+# the drafter base back: importing `decoding` first keeps that cycle resolvable.
+import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
+from dloop_jax.drafters import io as drafter_io
+from dloop_jax.errors import ConfigError, DrafterMismatchError
+from dloop_jax.training import checkpointing as ckpt_lib
+from dloop_jax.training import config as config_lib
+from dloop_jax.training import optim as optim_lib
+from dloop_jax.training import sharding as sharding_lib
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+EXPORT_DIR = "export"
+
+
+# --------------------------------------------------------------------- hooks
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The target a drafter is trained for."""
+
+  model: Any  # dloop_jax.models.transformer.Transformer
+  name: str
+  tokenizer: Any = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainHooks:
+  """How the pieces of a run are built (the defaults use the library's own).
+
+  Attributes:
+    build_target: `(target_config) -> Target`.
+    build_drafter: `(drafter_config: dict, *, target, rngs) -> Drafter`.
+    loss_fn: `(drafter, batch, key, *, objective, cfg) -> (loss, metrics)`.
+    make_iterator: `(config, *, target: Target, drafter, workdir, batch_size,
+      shard_index, shard_count) -> (iterator, data_info)`; the iterator yields
+      dicts of numpy arrays with `batch_size` (per-process) rows and has
+      `get_state()` / `set_state()`.
+    check_dataset: `(data_info, *, drafter, target: Target) -> None`, raises
+      ConfigError when the data does not fit the drafter (other taps, target).
+  """
+
+  build_target: Callable[..., Target]
+  build_drafter: Callable[..., nnx.Module]
+  loss_fn: Callable[..., tuple[jax.Array, Mapping[str, jax.Array]]]
+  make_iterator: Callable[..., tuple[Iterator[Mapping[str, np.ndarray]], Any]]
+  check_dataset: Callable[..., None]
+
+
+def tiny_target_name(target_config: Mapping[str, Any]) -> str:
+  """Identifies a tiny random target: its weights depend on seed, scale and shape."""
+  overrides = config_lib.to_plain(target_config.get("overrides") or {})
+  extra = "".join(f",{k}={overrides[k]}" for k in sorted(overrides))
+  return f"tiny(seed={target_config['seed']},init_std={target_config['init_std']}{extra})"
+
+
+def default_build_target(target_config: Mapping[str, Any]) -> Target:
+  from dloop_jax.models.config import tiny_config  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+
+  dtype = jnp.dtype(target_config["dtype"])
+  if target_config["model"] == "tiny":
+    overrides = config_lib.to_plain(target_config.get("overrides") or {})
+    model = Transformer(tiny_config(**overrides), rngs=nnx.Rngs(int(target_config["seed"])),
+                        dtype=dtype, init_std=float(target_config["init_std"]))
+    return Target(model=model, name=tiny_target_name(target_config))
+  from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
+  loaded = load_target(target_config["model"], dtype=dtype)
+  return Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
+
+
+def default_build_drafter(drafter_config, *, target, rngs):
+  from dloop_jax.drafters import build_drafter  # pylint: disable=g-import-not-at-top
+  return build_drafter(drafter_config, target=target, rngs=rngs)
+
+
+def default_loss_fn(drafter, batch, key, *, objective, cfg):
+  from dloop_jax.training.objectives import loss_fn  # pylint: disable=g-import-not-at-top
+  return loss_fn(drafter, batch, key, objective=objective, cfg=cfg)
+
+
+def default_make_iterator(config, *, target: Target, drafter, workdir, batch_size,
+                          shard_index, shard_count):
+  from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.trainer_iterator(
+      config, target=target, drafter=drafter, workdir=workdir, batch_size=batch_size,
+      shard_index=shard_index, shard_count=shard_count)
+
+
+def default_check_dataset(data_info, *, drafter, target: Target):
+  from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  pipeline.check_dataset_matches(data_info, taps=tuple(drafter.taps),
+                                 target_config=target.model.config, target_name=target.name)
+
+
+def default_hooks() -> TrainHooks:
+  return TrainHooks(build_target=default_build_target, build_drafter=default_build_drafter,
+                    loss_fn=default_loss_fn, make_iterator=default_make_iterator,
+                    check_dataset=default_check_dataset)
+
+
+def load_hooks(spec: str) -> TrainHooks:
+  """`"package.module:attribute"` -> TrainHooks (or a function returning one)."""
+  if not spec:
+    return default_hooks()
+  module_name, _, attr = spec.partition(":")
+  try:
+    obj = getattr(importlib.import_module(module_name), attr or "HOOKS")
+  except (ImportError, AttributeError) as e:
+    raise ConfigError(f"config.hooks={spec!r} cannot be imported ({e}); expected"
+                      " 'package.module:attribute' of a TrainHooks.") from e
+  hooks = obj() if callable(obj) and not isinstance(obj, TrainHooks) else obj
+  if not isinstance(hooks, TrainHooks):
+    raise ConfigError(f"config.hooks={spec!r} is a {type(hooks).__name__}, not a TrainHooks.")
+  return hooks
+
+
+# -------------------------------------------------------------- distributed
+def maybe_initialize_distributed(mode: str) -> None:
+  """`jax.distributed.initialize()` for multi-host runs.
+
+  "auto" initializes when the environment describes a multi-process job (an
+  explicit coordinator, or a SLURM / Open MPI launch of more than one task);
+  on Cloud TPU pods use "on" (initialize() discovers the pod itself).
+  Must run before anything touches a device.
+  """
+  if mode == "off":
+    return
+  env = os.environ
+  multi = (bool(env.get("JAX_COORDINATOR_ADDRESS"))
+           or int(env.get("SLURM_NTASKS", "1") or 1) > 1
+           or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1)
+  if mode == "on" or multi:
+    jax.distributed.initialize()
+    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count())
+
+
+# --------------------------------------------------------------- the state
+def _template(state: nnx.State) -> list[tuple[tuple, nnx.Variable]]:
+  """Abstract flat template of a state (metadata kept, arrays dropped)."""
+  return [(path, var.replace(jax.ShapeDtypeStruct(np.shape(var.get_value()),
+                                                 var.get_value().dtype)))
+          for path, var in nnx.to_flat_state(state)]
+
+
+def _rebuild(template: list[tuple[tuple, nnx.Variable]], values: Mapping[str, Any]) -> nnx.State:
+  return nnx.from_flat_state([(path, var.replace(values[sharding_lib.flat_key(path)]))
+                              for path, var in template])
+
+
+def _place(values: Mapping[str, Any], shardings: Mapping[str, Any]) -> dict[str, jax.Array]:
+  return {k: jax.device_put(v, shardings[k]) for k, v in values.items()}
+
+
+def _scalar(x: Any) -> Any:
+  a = np.asarray(x)
+  if a.size == 1:
+    v = a.reshape(()).item()
+    return float(v) if isinstance(v, (float, np.floating)) or a.dtype.kind == "f" else v
+  return a.tolist()
+
+
+class Trainer:
+  """One training run's state and jit-compiled step.
+
+  Attributes:
+    params: {flat name: array} trainable weights, sharded.
+    opt_state: optax state, sharded like params.
+    step: updates done.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, *, hooks: TrainHooks | None = None,
+               devices: list[jax.Device] | None = None):
+    config_lib.validate(config)
+    self.config = config
+    self.hooks = hooks or load_hooks(config.hooks)
+    self.mesh = sharding_lib.make_mesh(config.mesh, devices=devices)
+    self.rules = sharding_lib.normalize_rules(config.sharding.rules)
+    self.min_shard_size = int(config.sharding.min_shard_size)
+    global_batch = int(config.data.batch_size)
+    div = sharding_lib.batch_divisor(self.mesh)
+    if global_batch % div or global_batch % jax.process_count():
+      raise ConfigError(
+          f"data.batch_size={global_batch} must be a multiple of data x fsdp = {div} (mesh"
+          f" {dict(self.mesh.shape)}) and of the process count {jax.process_count()}.")
+    self.local_batch_size = global_batch // jax.process_count()
+
+    self.target = self.hooks.build_target(config.target)
+    # Created inside the mesh and the logical rules: flax 0.12 shards
+    # variables annotated with `out_sharding` eagerly, and needs both in scope.
+    with sharding_lib.mesh_context(self.mesh, self.rules):
+      drafter = self.hooks.build_drafter(config_lib.to_plain(config.drafter),
+                                         target=self.target.model,
+                                         rngs=nnx.Rngs(int(config.seed)))
+    self.drafter = drafter
+    if hasattr(drafter, "check_target"):
+      drafter.check_target(self.target.model.config)
+    self.graphdef, params, frozen, rng, model_state = drafter_io.split_drafter(drafter)
+    self._templates = {name: _template(s) for name, s in
+                       (("params", params), ("frozen", frozen), ("rng", rng),
+                        ("model_state", model_state))}
+
+    def shardings(state):
+      return sharding_lib.flat_shardings(state, mesh=self.mesh, rules=self.rules,
+                                         min_size=self.min_shard_size)
+
+    self.replicated = sharding_lib.replicated(self.mesh)
+    self.param_shardings = shardings(params)
+    self.frozen_shardings = shardings(frozen)
+    self.model_state_shardings = shardings(model_state)
+    self.params = _place(sharding_lib.flat_values(params), self.param_shardings)
+    self.frozen = _place(sharding_lib.flat_values(frozen), self.frozen_shardings)
+    self.model_state = _place(sharding_lib.flat_values(model_state), self.model_state_shardings)
+    self.rng_state = jax.device_put(rng, self.replicated)
+    if not self.params:
+      raise ConfigError(f"Drafter {type(drafter).__name__} has no nnx.Param to train.")
+    sharding_lib.log_layout(self.param_shardings, {k: v.shape for k, v in self.params.items()},
+                            f"Trainable parameters ({self.num_params():,})")
+
+    self.tx, self.schedule = optim_lib.make_optimizer(config.optim,
+                                                      total_steps=int(config.num_steps))
+    self.opt_shardings = optim_lib.opt_state_shardings(
+        self.tx, self.params, self.param_shardings, self.replicated)
+    self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+    self.step = 0
+    self._steps: dict[Any, Callable] = {}
+    self.base_key = jax.random.key(int(config.seed))
+
+  # ---------------------------------------------------------------- helpers
+  def num_params(self) -> int:
+    return int(sum(math.prod(v.shape) for v in self.params.values()))
+
+  def drafter_with(self, params: Mapping[str, jax.Array] | None = None) -> nnx.Module:
+    """The drafter module holding `params` (default: the current ones)."""
+    t = self._templates
+    return nnx.merge(self.graphdef, _rebuild(t["params"], params or self.params),
+                     _rebuild(t["frozen"], self.frozen), self.rng_state,
+                     _rebuild(t["model_state"], self.model_state))
+
+  def meta(self) -> dict[str, Any]:
+    """What a checkpoint records about the run (checked on resume)."""
+    d = self.drafter
+    return {
+        "drafter_kind": getattr(d, "kind", None),
+        "drafter_class": type(d).__name__,
+        "drafter_config": drafter_io.drafter_config_of(d),
+        "taps": list(getattr(d, "taps", ())),
+        "target": {"name": self.target.name,
+                   "fingerprint": dict(self.target.model.config.fingerprint)},
+        "objective": self.config.objective,
+        "config": config_lib.to_plain(self.config),
+    }
+
+  def check_meta(self, meta: Mapping[str, Any], *, where: str) -> None:
+    """Raises when `meta` (of a checkpoint) belongs to another drafter or target."""
+    mine = self.meta()
+    theirs_target = meta.get("target", {})
+    if dict(theirs_target.get("fingerprint", {})) != mine["target"]["fingerprint"]:
+      raise DrafterMismatchError(
+          f"{where} holds a drafter trained for target {theirs_target.get('name')!r}"
+          f" ({theirs_target.get('fingerprint')}); this run's target is"
+          f" {mine['target']['name']!r} ({mine['target']['fingerprint']}). Use another"
+          " --workdir (or init_from) for this target.")
+    if theirs_target.get("name") != mine["target"]["name"]:
+      raise DrafterMismatchError(
+          f"{where} holds a drafter trained for target {theirs_target.get('name')!r}; this"
+          f" run's target is {mine['target']['name']!r} (same shape, other weights). Use"
+          " another --workdir for this target.")
+    if meta.get("drafter_kind") != mine["drafter_kind"]:
+      raise ConfigError(
+          f"{where} holds a {meta.get('drafter_kind')!r} drafter; this config trains a"
+          f" {mine['drafter_kind']!r} drafter. Use another --workdir, or a config for"
+          f" {meta.get('drafter_kind')!r}.")
+    theirs_cfg, mine_cfg = meta.get("drafter_config", {}), mine["drafter_config"]
+    if theirs_cfg != mine_cfg:
+      keys = sorted(set(theirs_cfg) | set(mine_cfg))
+      diffs = [f"{k}: checkpoint {theirs_cfg.get(k)!r}, config {mine_cfg.get(k)!r}"
+               for k in keys if theirs_cfg.get(k) != mine_cfg.get(k)]
+      raise ConfigError(f"{where} holds a drafter with another configuration ("
+                        + "; ".join(diffs) + "). Use another --workdir, or the same drafter"
+                        " settings.")
+
+  # ------------------------------------------------------------- train step
+  def _compiled_step(self, batch: Mapping[str, jax.Array]) -> Callable:
+    signature = tuple(sorted((k, v.ndim) for k, v in batch.items()))
+    if signature in self._steps:
+      return self._steps[signature]
+    templates = self._templates
+    graphdef, tx, schedule = self.graphdef, self.tx, self.schedule
+    loss_fn, objective = self.hooks.loss_fn, self.config.objective
+    objective_cfg = ml_collections.FrozenConfigDict(self.config.objective_cfg)
+    base_key = self.base_key
+
+    def train_step(params, opt_state, frozen, model_state, rng_state, batch, step):
+      key = jax.random.fold_in(base_key, step)
+      frozen_state = _rebuild(templates["frozen"], frozen)
+      other = _rebuild(templates["model_state"], model_state)
+
+      def loss_of(p):
+        drafter = nnx.merge(graphdef, _rebuild(templates["params"], p), frozen_state,
+                            rng_state, other)
+        loss, metrics = loss_fn(drafter, batch, key, objective=objective, cfg=objective_cfg)
+        return loss, metrics
+
+      (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      metrics = dict(metrics)
+      metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
+                     learning_rate=schedule(step))
+      return params, opt_state, metrics
+
+    batch_shardings = {k: sharding_lib.batch_sharding(self.mesh, v.ndim)
+                       for k, v in batch.items()}
+    fn = jax.jit(
+        train_step,
+        in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings,
+                      self.model_state_shardings, self.replicated, batch_shardings,
+                      self.replicated),
+        out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+        # The old state is dead once the step returns: update it in place.
+        donate_argnums=(0, 1),
+    )
+    self._steps[signature] = fn
+    return fn
+
+  def train_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """One update on a process-local numpy batch; returns device metrics."""
+    rows = {np.shape(v)[0] for v in batch.values()}
+    if rows != {self.local_batch_size}:
+      raise ConfigError(f"The data pipeline yielded batches of {sorted(rows)} rows; this"
+                        f" process needs {self.local_batch_size} (data.batch_size"
+                        f" {self.config.data.batch_size} over {jax.process_count()} processes).")
+    placed = sharding_lib.put_batch(batch, self.mesh)
+    fn = self._compiled_step(placed)
+    with sharding_lib.mesh_context(self.mesh, self.rules):
+      self.params, self.opt_state, metrics = fn(
+          self.params, self.opt_state, self.frozen, self.model_state, self.rng_state, placed,
+          jnp.asarray(self.step, jnp.int32))
+    self.step += 1
+    return metrics
+
+  # ------------------------------------------------------------- init_from
+  def init_from(self, source: str) -> str:
+    """Loads weights (not optimizer state) from a workdir or a drafter export."""
+    export_dir = None
+    try:
+      export_dir = drafter_io.resolve(source)
+    except Exception:  # pylint: disable=broad-except
+      pass
+    ckpt_dir = os.path.join(source, CHECKPOINT_DIR)
+    if os.path.isdir(ckpt_dir) and ckpt_lib.has_checkpoints(ckpt_dir):
+      checkpointer = ckpt_lib.Checkpointer(ckpt_dir, keep=0, async_save=False)
+      try:
+        step, params, model_state, _ = checkpointer.restore_params(
+            abstract_params=ckpt_lib.abstract_like(self.params),
+            abstract_model_state=ckpt_lib.abstract_like(self.model_state) or None,
+            check_meta=lambda m: self.check_meta(m, where=f"init_from {ckpt_dir}"))
+      finally:
+        checkpointer.close()
+      self.params = dict(params)
+      if model_state:
+        self.model_state = dict(model_state)
+      return f"{ckpt_dir} step {step}"
+    if export_dir is not None:
+      info = drafter_io.read_info(export_dir)
+      self.check_meta({"drafter_kind": info.get("kind"), "drafter_config": info["drafter_config"],
+                       "target": info.get("target", {})}, where=f"init_from {export_dir}")
+      params, model_state = drafter_io.read_arrays(export_dir, info)
+      cast = {k: np.asarray(v).astype(self.params[k].dtype) for k, v in params.items()}
+      if set(cast) != set(self.params):
+        raise ConfigError(f"init_from {export_dir}: weights {sorted(set(cast) ^ set(self.params))}"
+                          " do not match this drafter.")
+      self.params = _place(cast, self.param_shardings)
+      if model_state:
+        self.model_state = _place(model_state, self.model_state_shardings)
+      return export_dir
+    raise ConfigError(f"init_from={source!r} is neither a training workdir with checkpoints nor"
+                      " a drafter export.")
+
+
+# ------------------------------------------------------------------ logging
+class _MetricsWriter:
+  """JSONL (always) and TensorBoard (if a writer package is installed)."""
+
+  def __init__(self, workdir: str, *, start_step: int, tensorboard: bool):
+    self.enabled = jax.process_index() == 0
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self._tb = None
+    if not self.enabled:
+      return
+    if os.path.exists(self.path):
+      # Lines past the restored step were written by a run killed before its
+      # next checkpoint; the resumed run writes them again.
+      with open(self.path) as f:
+        kept = [line for line in f if line.strip() and _line_step(line) <= start_step]
+      with open(self.path, "w") as f:
+        f.writelines(kept)
+    if tensorboard:
+      self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _line_step(line: str) -> int:
+  try:
+    return int(json.loads(line).get("step", 0))
+  except ValueError:
+    return sys.maxsize  # a torn last line: drop it
+
+
+def _tensorboard_writer(logdir: str):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("tensorboardX") is not None:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    return SummaryWriter(logdir)
+  if (importlib.util.find_spec("tensorboard") is not None
+      and importlib.util.find_spec("torch") is not None):
+    from torch.utils.tensorboard import SummaryWriter  # pylint: disable=g-import-not-at-top
+    return SummaryWriter(logdir)
+  logging.info("No TensorBoard writer installed (tensorboardX); metrics go to %s only.",
+               METRICS_FILE)
+  return None
+
+
+def _progress(total: int, initial: int, enabled: bool):
+  if not enabled or jax.process_index() != 0:
+    return None
+  try:
+    from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return tqdm.tqdm(total=total, initial=initial, desc="train", unit="step",
+                   dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+
+
+# --------------------------------------------------------------------- run
+@dataclasses.dataclass
+class TrainResult:
+  step: int
+  metrics: dict[str, Any]
+  export_dir: str | None
+  resumed_from: int | None
+  init_from: str | None
+  compile_s: float
+  train_s: float
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks | None = None,
+          devices: list[jax.Device] | None = None) -> TrainResult:
+  """Trains (or resumes training) a drafter in `workdir`; see the module docstring."""
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  trainer = Trainer(config, hooks=hooks, devices=devices)
+  hooks = trainer.hooks
+  c = config
+  num_steps = int(c.num_steps)
+
+  iterator, data_info = hooks.make_iterator(
+      c, target=trainer.target, drafter=trainer.drafter, workdir=workdir,
+      batch_size=trainer.local_batch_size, shard_index=jax.process_index(),
+      shard_count=jax.process_count())
+  hooks.check_dataset(data_info, drafter=trainer.drafter, target=trainer.target)
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
+                                       keep=int(c.checkpoint.keep),
+                                       async_save=bool(c.checkpoint.async_save))
+  where = f"Checkpoint directory {checkpointer.directory}"
+  restored = checkpointer.restore_latest(
+      abstract_params=ckpt_lib.abstract_like(trainer.params),
+      abstract_opt_state=ckpt_lib.abstract_like(trainer.opt_state),
+      abstract_model_state=ckpt_lib.abstract_like(trainer.model_state) or None,
+      check_meta=lambda m: trainer.check_meta(m, where=where))
+  resumed_from = init_source = None
+  last: dict[str, Any] = {}
+  if restored is not None:
+    trainer.params = dict(restored.params)
+    trainer.opt_state = restored.opt_state
+    if restored.model_state:
+      trainer.model_state = dict(restored.model_state)
+    trainer.step = restored.step
+    iterator.set_state(restored.data_state)
+    resumed_from = restored.step
+    last = dict(restored.meta.get("metrics") or {})
+    logging.info("Resumed from %s step %d%s.", checkpointer.directory, restored.step,
+                 f" (skipped unreadable steps {restored.skipped})" if restored.skipped else "")
+    if restored.skipped:
+      print(f"warning: checkpoint step(s) {restored.skipped} in {checkpointer.directory} were"
+            f" corrupted and moved aside; resumed from step {restored.step}.", file=sys.stderr)
+  elif c.init_from:
+    init_source = trainer.init_from(c.init_from)
+    logging.info("Initialized the drafter's weights from %s.", init_source)
+
+  writer = _MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
+  bar = _progress(num_steps, trainer.step, bool(c.progress_bar))
+  meta = trainer.meta()
+  if init_source:
+    meta["init_from"] = init_source
+  tokens_per_step = int(c.data.batch_size) * int(c.data.seq_len)
+  compile_s = 0.0
+  window_start, window_steps = time.perf_counter(), 0
+  loop_start = time.perf_counter()
+  first_step = trainer.step
+
+  def save():
+    checkpointer.save(trainer.step, params=trainer.params, opt_state=trainer.opt_state,
+                      model_state=trainer.model_state, data_state=iterator.get_state(),
+                      meta=dict(meta, metrics=last))
+
+  try:
+    while trainer.step < num_steps:
+      try:
+        batch = next(iterator)
+      except StopIteration:
+        logging.warning("The data iterator ended at step %d of %d; stopping there.",
+                        trainer.step, num_steps)
+        if not checkpointer.steps() or checkpointer.latest_step() != trainer.step:
+          save()
+        break
+      metrics = trainer.train_step(batch)
+      window_steps += 1
+      if trainer.step == first_step + 1:
+        jax.block_until_ready(metrics)
+        compile_s = time.perf_counter() - loop_start
+        window_start, window_steps = time.perf_counter(), 0
+      if trainer.step % int(c.log_every_steps) == 0 or trainer.step == num_steps:
+        host = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = time.perf_counter() - window_start
+        if window_steps:
+          host["steps_per_s"] = window_steps / max(elapsed, 1e-9)
+          host["tokens_per_s"] = host["steps_per_s"] * tokens_per_step
+        window_start, window_steps = time.perf_counter(), 0
+        last = host
+        writer.write(trainer.step, host)
+        if bar is not None:
+          post = {"loss": f"{host['loss']:.4f}"}
+          if "expected_acceptance_length" in host:
+            post["tau"] = f"{host['expected_acceptance_length']:.2f}"
+          if "tokens_per_s" in host:
+            post["tok/s"] = f"{host['tokens_per_s']:.0f}"
+          bar.set_postfix(post, refresh=False)
+        else:
+          logging.info("step %d: %s", trainer.step, {k: host[k] for k in sorted(host)})
+      if bar is not None:
+        bar.update(1)
+      if trainer.step % int(c.checkpoint.every_steps) == 0 or trainer.step == num_steps:
+        save()
+    checkpointer.wait()
+    train_s = time.perf_counter() - loop_start
+    export_dir = None
+    if c.export.enabled:
+      export_dir = drafter_io.export_drafter(
+          trainer.drafter_with(), c.export.path or os.path.join(workdir, EXPORT_DIR),
+          target_name=trainer.target.name, metrics=last,
+          extra={"step": trainer.step, "objective": c.objective,
+                 "init_from": init_source or "", "workdir": workdir})
+  finally:
+    if bar is not None:
+      bar.close()
+    writer.close()
+    checkpointer.close()
+  return TrainResult(step=trainer.step, metrics=last, export_dir=export_dir,
+                     resumed_from=resumed_from, init_from=init_source, compile_s=compile_s,
+                     train_s=train_s)

@@ -1,0 +1,49 @@
+"""Shared helpers of the trainer tests: tiny configs and which pieces to plug in.
+
+The trainer is tested with the stand-in drafter / loss / data of
+`trainer_standin` (small and fast, and annotated with logical axes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from ml_collections import ConfigDict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN = "trainer_standin:HOOKS"
+
+# Stand-in parameters on the tiny target (hidden 32, 2 taps).
+LARGE_PARAMS = ("fc/kernel", "w_out", "up", "down")  # >= 256 elements
+SMALL_PARAMS = ("fc/bias",)
+# Logical annotations resolved on a (data 2, fsdp 2, tensor 2) mesh.
+ANNOTATED_SPECS = {"up": ["fsdp", "tensor"], "down": ["tensor", "fsdp"]}
+
+
+def load_config_file(name: str, recipe: str = "") -> ConfigDict:
+  path = os.path.join(ROOT, "configs", name)
+  spec = importlib.util.spec_from_file_location(f"_cfg_{name[:-3]}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(recipe) if recipe else module.get_config()
+
+
+def tiny_config(*, recipe: str = "", hooks: str = STANDIN, **overrides) -> ConfigDict:
+  """configs/tiny_eagle3.py, small and quiet, with the stand-in plugged in."""
+  c = load_config_file("tiny_eagle3.py", recipe)
+  c.hooks = hooks
+  c.num_steps = 12
+  c.log_every_steps = 2
+  c.checkpoint.every_steps = 4
+  c.data.num_examples = 64
+  c.data.seq_len = 32
+  c.progress_bar = False
+  c.tensorboard = False
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split("__")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c

@@ -1,0 +1,1 @@
+"""`python -m train`: the command line over `dloop_jax.training` (see docs/training.md)."""
