@@ -283,8 +283,14 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
   info = read_info(path)
   check_target(info, target.config, source=path)
   params_values, model_values = read_arrays(path, info)
-  drafter = build_drafter(dict(info["drafter_config"]), target=target,
-                          rngs=rngs if rngs is not None else nnx.Rngs(0))
+  from dloop_jax.training import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+
+  # Drafters may annotate weights with logical axes; flax then needs a mesh in
+  # scope to create them. One device here: callers shard the loaded drafter.
+  mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  with sharding_lib.mesh_context(mesh, sharding_lib.DEFAULT_RULES):
+    drafter = build_drafter(dict(info["drafter_config"]), target=target,
+                            rngs=rngs if rngs is not None else nnx.Rngs(0))
   _, params, _, _, model_state = split_drafter(drafter)
   dtype = getattr(target, "dtype", jnp.float32)
   nnx.update(drafter, assign(params, params_values, dtype=dtype, what="Weights", source=path))

@@ -345,7 +345,7 @@ class Trainer:
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       metrics = dict(metrics)
-      metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
+      metrics.update(loss=loss, grad_norm=optax.tree.norm(grads),
                      learning_rate=schedule(step))
       return params, opt_state, metrics
 
