@@ -119,6 +119,10 @@ def default_loss_fn(drafter, batch, key, *, objective, cfg):
 def default_make_iterator(config, *, target: Target, drafter, workdir, batch_size,
                           shard_index, shard_count):
   from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  if not hasattr(pipeline, "trainer_iterator"):
+    raise ConfigError("dloop_jax.data.pipeline has no trainer_iterator(); this build cannot"
+                      " make training data. Set config.hooks to a TrainHooks providing"
+                      " make_iterator.")
   return pipeline.trainer_iterator(
       config, target=target, drafter=drafter, workdir=workdir, batch_size=batch_size,
       shard_index=shard_index, shard_count=shard_count)
@@ -542,6 +546,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
   elif c.init_from:
     init_source = trainer.init_from(c.init_from)
     logging.info("Initialized the drafter's weights from %s.", init_source)
+  elif c.objective == "loop_aware":
+    logging.warning("Loop-aware training from a random drafter: the recipe fine-tunes a"
+                    " normally trained one (set init_from to its workdir or export).")
 
   writer = _MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
   bar = _progress(num_steps, trainer.step, bool(c.progress_bar))

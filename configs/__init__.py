@@ -1,0 +1,1 @@
+"""Training configs: one file per (target, drafter, recipe); `tiny_*` for tests."""

@@ -1,0 +1,40 @@
+"""Block (DFlash-style) drafter for SmolLM2-135M-Instruct, step 1 of the recipe.
+
+    python -m train --config configs/smollm2_block.py --workdir runs/smollm2_block \
+        --config.data.path=<dataset dir>
+    python -m train --config configs/smollm2_block_loop.py --workdir runs/smollm2_block_loop \
+        --config.data.path=<dataset dir> --config.init_from=runs/smollm2_block
+"""
+
+from dloop_jax.training.config import base_config
+from ml_collections import ConfigDict
+
+
+def get_config(recipe: str = "") -> ConfigDict:
+  c = base_config()
+  c.target.model = "smollm2-135m-instruct"
+  c.target.dtype = "float32"
+  c.drafter = ConfigDict(dict(kind="block", block_size=8, num_layers=3))
+  c.objective = "block"
+  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=16))
+  c.data.source = "path"
+  c.data.path = ""
+  c.data.batch_size = 16
+  c.data.seq_len = 1024
+  c.num_steps = 20_000
+  c.log_every_steps = 50
+  c.optim.learning_rate = 3e-4
+  c.optim.warmup_steps = 500
+  c.optim.grad_clip_norm = 1.0
+  c.checkpoint.every_steps = 1000
+  c.checkpoint.keep = 3
+  if recipe == "loop":
+    c.objective = "loop_aware"
+    c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="block",
+                                      anchors_per_sequence=16))
+    c.num_steps = 5_000
+    c.optim.learning_rate = 1e-4
+    c.optim.warmup_steps = 100
+  elif recipe:
+    raise ValueError(f"Unknown recipe {recipe!r}; use '' or 'loop'.")
+  return c

@@ -1,0 +1,46 @@
+"""EAGLE-3 drafter for SmolLM2-135M-Instruct (the default target), step 1 of the recipe.
+
+    python -m train.data ...                       # the dataset (target features)
+    python -m train --config configs/smollm2_eagle3.py --workdir runs/smollm2_eagle3 \
+        --config.data.path=<dataset dir>
+    python -m train --config configs/smollm2_eagle3_loop.py --workdir runs/smollm2_eagle3_loop \
+        --config.data.path=<dataset dir> --config.init_from=runs/smollm2_eagle3
+
+On accelerators add `--config.target.dtype=bfloat16` and size the mesh, e.g.
+`--config.mesh.data=-1 --config.mesh.fsdp=4`.
+"""
+
+from dloop_jax.training.config import base_config
+from ml_collections import ConfigDict
+
+
+def get_config(recipe: str = "") -> ConfigDict:
+  c = base_config()
+  c.target.model = "smollm2-135m-instruct"
+  c.target.dtype = "float32"
+  # Taps default to EAGLE-3's low / middle / high layers of the 30-layer target.
+  c.drafter = ConfigDict(dict(kind="eagle3", block_size=4))
+  c.objective = "eagle3_ttt"
+  c.objective_cfg = ConfigDict(dict(ttt_steps=7, step_decay=0.8))
+  c.data.source = "path"
+  c.data.path = ""  # a dataset built with `python -m train.data`
+  c.data.batch_size = 16
+  c.data.seq_len = 1024
+  c.num_steps = 20_000
+  c.log_every_steps = 50
+  c.optim.learning_rate = 1e-4
+  c.optim.warmup_steps = 500
+  c.optim.grad_clip_norm = 0.5
+  c.checkpoint.every_steps = 1000
+  c.checkpoint.keep = 3
+  if recipe == "loop":
+    c.objective = "loop_aware"
+    c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="eagle3_ttt",
+                                      ttt_steps=7, step_decay=0.8))
+    # About one epoch of fine-tuning from the normally trained drafter.
+    c.num_steps = 5_000
+    c.optim.learning_rate = 3e-5
+    c.optim.warmup_steps = 100
+  elif recipe:
+    raise ValueError(f"Unknown recipe {recipe!r}; use '' or 'loop'.")
+  return c

@@ -1,0 +1,41 @@
+"""Every shipped training config loads and validates; the recipe pairs agree."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import trainer_hooks
+from dloop_jax.training import config as config_lib
+
+CONFIGS = sorted(f for f in os.listdir(os.path.join(trainer_hooks.ROOT, "configs"))
+                 if f.endswith(".py") and not f.startswith("_"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_validates(name, monkeypatch):
+  monkeypatch.syspath_prepend(trainer_hooks.ROOT)  # loop configs import their base
+  config = trainer_hooks.load_config_file(name)
+  config_lib.validate(config)
+  assert config.drafter.kind in ("eagle3", "block")
+  if name.endswith("_loop.py"):
+    assert config.objective == "loop_aware"
+
+
+@pytest.mark.parametrize("name,loop_name", [
+    ("tiny_eagle3.py", "tiny_eagle3.py:loop"), ("tiny_block.py", "tiny_block.py:loop"),
+    ("smollm2_eagle3.py", "smollm2_eagle3_loop.py"), ("smollm2_block.py", "smollm2_block_loop.py")])
+def test_loop_recipe_keeps_the_drafter(name, loop_name, monkeypatch):
+  monkeypatch.syspath_prepend(trainer_hooks.ROOT)
+  base = trainer_hooks.load_config_file(name)
+  loop = trainer_hooks.load_config_file(*loop_name.split(":"))
+  assert loop.objective == "loop_aware"
+  assert loop.drafter.to_dict() == base.drafter.to_dict()  # init_from must fit
+  assert loop.target.to_dict() == base.target.to_dict()
+
+
+def test_config_files_are_locked():
+  c = trainer_hooks.load_config_file("tiny_eagle3.py")
+  with pytest.raises(AttributeError, match="did you mean|Did you mean"):
+    c.optim.learnig_rate = 1.0
