@@ -44,7 +44,8 @@ _SCRIPT = textwrap.dedent(r"""
       batch = next(it)
       initial = {k: np.asarray(v) for k, v in t.params.items()}
       metrics = jax.device_get(t.train_step(batch))
-      runs[name] = dict(loss=float(metrics["loss"]), initial=initial,
+      runs[name] = dict(loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]),
+                        initial=initial,
                         params={k: np.asarray(v) for k, v in t.params.items()},
                         specs={k: [list(a) if isinstance(a, tuple) else a for a in v.sharding.spec]
                                for k, v in t.params.items()},
@@ -57,7 +58,7 @@ _SCRIPT = textwrap.dedent(r"""
     base = runs["one"]
     for name, r in runs.items():
       out[name] = dict(
-          loss=r["loss"], specs=r["specs"], shard_shapes=r["shard_shapes"], shapes=r["shapes"],
+          loss=r["loss"], grad_norm=r["grad_norm"], specs=r["specs"], shard_shapes=r["shard_shapes"], shapes=r["shapes"],
           mesh=r["mesh"], opt_specs=r["opt_specs"],
           init_diff=max(float(np.max(np.abs(r["initial"][k] - base["initial"][k])))
                         for k in base["initial"]),
@@ -88,7 +89,11 @@ def test_one_step_matches_single_device(results):
   for name in ("dp_fsdp", "fsdp_tp"):
     r = results[name]
     assert r["init_diff"] == 0.0, name
-    assert abs(r["loss"] - base["loss"]) <= 1e-5 * max(1.0, abs(base["loss"])), name
+    assert abs(r["loss"] - base["loss"]) <= 1e-6 * abs(base["loss"]), name
+    assert abs(r["grad_norm"] - base["grad_norm"]) <= 1e-5 * base["grad_norm"], name
+    # Adam's first step moves every weight by about lr * g / |g|: entries with
+    # |g| near eps turn last-bit differences of the sharded reductions into
+    # ~1e-6 differences of the weights (the update itself is lr = 3e-3).
     assert r["param_diff"] <= 1e-5, (name, r["param_diff"])
 
 
