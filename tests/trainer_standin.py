@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import dloop_jax.decoding  # noqa: F401  (before drafters.base: they import each other)
 from dloop_jax.drafters import base as base_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import default_taps
