@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 # `dloop_jax.drafters.base` imports `dloop_jax.decoding`, whose engine imports
 # the drafter base back: importing `decoding` first keeps that cycle resolvable.
@@ -106,32 +107,71 @@ def default_build_target(target_config: Mapping[str, Any]) -> Target:
   return Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
 
 
+def _library(module: str, name: str) -> Callable:
+  try:
+    return getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError) as e:
+    raise ConfigError(f"{module}.{name} is not available ({e}); set config.hooks to a"
+                      " TrainHooks providing it.") from e
+
+
 def default_build_drafter(drafter_config, *, target, rngs):
-  from dloop_jax.drafters import build_drafter  # pylint: disable=g-import-not-at-top
-  return build_drafter(drafter_config, target=target, rngs=rngs)
+  return _library("dloop_jax.drafters", "build_drafter")(drafter_config, target=target,
+                                                         rngs=rngs)
 
 
 def default_loss_fn(drafter, batch, key, *, objective, cfg):
-  from dloop_jax.training.objectives import loss_fn  # pylint: disable=g-import-not-at-top
-  return loss_fn(drafter, batch, key, objective=objective, cfg=cfg)
+  return _library("dloop_jax.training.objectives", "loss_fn")(
+      drafter, batch, key, objective=objective, cfg=cfg)
+
+
+def _pipeline():
+  try:
+    from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ConfigError(f"The data pipeline dloop_jax.data.pipeline cannot be imported ({e}); set"
+                      " config.hooks to a TrainHooks providing make_iterator.") from e
+  return pipeline
 
 
 def default_make_iterator(config, *, target: Target, drafter, workdir, batch_size,
                           shard_index, shard_count):
-  from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  if not hasattr(pipeline, "trainer_iterator"):
-    raise ConfigError("dloop_jax.data.pipeline has no trainer_iterator(); this build cannot"
-                      " make training data. Set config.hooks to a TrainHooks providing"
-                      " make_iterator.")
-  return pipeline.trainer_iterator(
-      config, target=target, drafter=drafter, workdir=workdir, batch_size=batch_size,
-      shard_index=shard_index, shard_count=shard_count)
+  """Grain iterator over a built dataset; tiny configs build theirs into the workdir.
+
+  Returns (iterator, dataset path); the path is what `check_dataset_matches` inspects.
+  """
+  pipeline = _pipeline()
+  d = config.data
+  options = config_lib.to_plain(d.options)
+  if d.source == "tiny_random":
+    path = os.path.join(workdir, "data")
+    if not os.path.exists(os.path.join(path, "COMPLETE")):
+      if jax.process_index() == 0:
+        # The tiny target answers random prompts; the features are its taps.
+        pipeline.build_target_responses(
+            target=target.model, target_name=target.name, taps=tuple(drafter.taps),
+            out_dir=path, num_examples=int(d.num_examples), seq_len=int(d.seq_len),
+            seed=int(d.shuffle_seed), **options)
+        with open(os.path.join(path, "COMPLETE"), "w") as f:
+          f.write("ok\n")
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("dloop_tiny_data")
+  elif d.source == "path":
+    if not d.path:
+      raise ConfigError("data.source='path' needs data.path: a dataset built with"
+                        " `python -m train.data`.")
+    path = d.path
+  else:
+    raise ConfigError(f"data.source must be 'tiny_random' or 'path', got {d.source!r}.")
+  iterator = pipeline.make_train_iterator(
+      path=path, batch_size=batch_size, seq_len=int(d.seq_len), seed=int(d.shuffle_seed),
+      shard_index=shard_index, shard_count=shard_count, worker_count=int(d.worker_count))
+  return iterator, path
 
 
 def default_check_dataset(data_info, *, drafter, target: Target):
-  from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  pipeline.check_dataset_matches(data_info, taps=tuple(drafter.taps),
-                                 target_config=target.model.config, target_name=target.name)
+  _pipeline().check_dataset_matches(data_info, taps=tuple(drafter.taps),
+                                    target_config=target.model.config, target_name=target.name)
 
 
 def default_hooks() -> TrainHooks:
