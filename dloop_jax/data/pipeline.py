@@ -1,0 +1,252 @@
+"""Grain input pipeline over a built `target_responses` dataset.
+
+    it = make_train_iterator(path=DIR, seq_len=T, batch_size=B, seed=0,
+                             shard_index=jax.process_index(),
+                             shard_count=jax.process_count(),
+                             pack=False, num_epochs=None)
+    batch = next(it)             # dict of numpy arrays, see below
+    state = it.get_state()       # JSON-able; the trainer saves it with Orbax
+    it.set_state(state)          # resume exactly there
+
+`path` is the dataset's version directory (`<data_dir>/target_responses/<config>/1.0.0`)
+or a data_dir holding exactly one target_responses dataset.
+
+Stages:
+
+    MapDataset.source(TFDS array_record data source)
+      -> per-process shard: examples [shard_index::shard_count] of the first
+         shard_count * floor(N / shard_count) (every process gets the same
+         number of examples, so multi-host steps stay in lockstep)
+      -> shuffle(seed), reshuffled every epoch -> repeat(num_epochs; None = forever)
+      -> truncate to seq_len -> pad to seq_len (pack=False), or first-fit pack
+         several examples per row (pack=True)
+      -> batch(batch_size, drop_remainder=True) -> iterator
+
+Batch (B = batch_size rows of this process, T = seq_len):
+
+    tokens       [B, T] int32                 prompt + response, 0 at padding
+    loss_mask    [B, T] int32                 1 where tokens[t] is a response token
+                                              (what the drafter must predict)
+    features     [B, T, n_taps, D] float16    target taps after reading tokens[t]
+                                              (0 at padding and at each example's
+                                              last token)
+    segment_ids  [B, T] int32                 1, 2, ... per packed example; 0 = padding
+    positions    [B, T] int32                 position within its own example (0 at padding)
+
+Examples longer than seq_len lose their tail (the loss mask with it). In
+packed rows a prediction never crosses examples: each example starts with its
+prompt, whose loss mask is 0; objectives that look further back must mask by
+`segment_ids`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+import numpy as np
+
+from dloop_jax.data import target_responses as tr_lib
+from dloop_jax.data import tfds_utils
+from dloop_jax.errors import ConfigError
+
+BATCH_KEYS = ("tokens", "loss_mask", "features", "segment_ids", "positions")
+_SEQUENCE_KEYS = ("tokens", "loss_mask", "features")
+
+# Re-exported: trainer configs call it to make tiny data on the fly.
+build_target_responses = tr_lib.build_target_responses
+
+
+# ------------------------------------------------------------------ finding
+def resolve_dataset_dir(path: str | os.PathLike) -> str:
+  """The version directory of the target_responses dataset at / under `path`."""
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise ConfigError(f"Dataset path {path!r} does not exist; build one with"
+                      " `python -m train.data --config configs/data_<name>.py`.")
+  found = tfds_utils.find_dataset_dirs(path, name=tr_lib.NAME)
+  if not found:
+    raise ConfigError(f"{path!r} holds no finished {tr_lib.NAME} dataset (no"
+                      " dataset_info.json); build one with `python -m train.data`.")
+  if len(found) > 1:
+    listing = "\n  ".join(found)
+    raise ConfigError(f"{path!r} holds {len(found)} {tr_lib.NAME} datasets; pass one of:\n"
+                      f"  {listing}")
+  return found[0]
+
+
+def dataset_metadata(info: Any) -> dict[str, Any]:
+  """Metadata of a dataset given its path, a `tfds.core.DatasetInfo` or the dict itself."""
+  if isinstance(info, Mapping):
+    return dict(info)
+  if isinstance(info, (str, os.PathLike)):
+    return tfds_utils.read_metadata(resolve_dataset_dir(info))
+  metadata = getattr(info, "metadata", None)
+  if metadata:
+    return dict(metadata)
+  data_dir = getattr(info, "data_dir", None)
+  return tfds_utils.read_metadata(data_dir) if data_dir else {}
+
+
+def check_dataset_matches(info: Any, *, taps, target_fingerprint: Mapping[str, Any] | None = None,
+                          target_config: Any = None, target_name: str | None = None) -> None:
+  """Raises ConfigError unless the dataset holds features of these taps of this target.
+
+  Args:
+    info: dataset path, `tfds.core.DatasetInfo`, or its metadata dict.
+    taps: the layers the drafter reads.
+    target_fingerprint: `TransformerConfig.fingerprint` of the target.
+    target_config: alternatively the `TransformerConfig` (its fingerprint is used).
+    target_name: the target's name; checked when given (same shapes, other
+      weights would give other features).
+  """
+  meta = dataset_metadata(info)
+  where = info if isinstance(info, (str, os.PathLike)) else "the dataset"
+  if not meta or "taps" not in meta:
+    raise ConfigError(f"{where} has no {tr_lib.NAME} metadata (taps, target); rebuild it with"
+                      " `python -m train.data`.")
+  have, want = tuple(int(t) for t in meta["taps"]), tuple(int(t) for t in taps)
+  if have != want:
+    raise ConfigError(f"{where} holds target features of layers {have}; the drafter reads"
+                      f" layers {want}. Rebuild the dataset with taps={list(want)}.")
+  if target_fingerprint is None and target_config is not None:
+    target_fingerprint = target_config.fingerprint
+  if target_fingerprint is not None:
+    recorded = dict(meta.get("target_fingerprint") or {})
+    if recorded != dict(target_fingerprint):
+      raise ConfigError(f"{where} was built with a target of shape {recorded}; this target is"
+                        f" {dict(target_fingerprint)}. Rebuild the dataset with this target.")
+  if target_name is not None and meta.get("target_name") not in (None, target_name):
+    raise ConfigError(f"{where} was built with target {meta['target_name']!r}; this run uses"
+                      f" {target_name!r}. Rebuild the dataset with this target.")
+
+
+def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN):
+  """The random-access TFDS data source (array_record) of a split."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  builder = tfds.builder_from_directory(resolve_dataset_dir(path))
+  if split not in builder.info.splits:
+    raise ConfigError(f"The dataset has splits {list(builder.info.splits)}, not {split!r}.")
+  return builder.as_data_source(split=split)
+
+
+# --------------------------------------------------------------- transforms
+def _truncated(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
+  n = min(len(example["tokens"]), seq_len)
+  return {
+      "tokens": np.asarray(example["tokens"][:n], np.int32),
+      "loss_mask": np.asarray(example["loss_mask"][:n], np.int32),
+      "features": np.asarray(example["features"][:n], np.float16),
+  }
+
+
+def _padded(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
+  x = _truncated(example, seq_len)
+  n = len(x["tokens"])
+  out = {}
+  for key in _SEQUENCE_KEYS:
+    value = x[key]
+    out[key] = np.zeros((seq_len,) + value.shape[1:], value.dtype)
+    out[key][:n] = value
+  out["segment_ids"] = (np.arange(seq_len) < n).astype(np.int32)
+  out["positions"] = np.where(np.arange(seq_len) < n, np.arange(seq_len), 0).astype(np.int32)
+  return out
+
+
+def _from_packed(x: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {
+      "tokens": x["tokens"].astype(np.int32),
+      "loss_mask": x["loss_mask"].astype(np.int32),
+      "features": x["features"].astype(np.float16),
+      "segment_ids": x["tokens_segment_ids"].astype(np.int32),
+      "positions": x["tokens_positions"].astype(np.int32),
+  }
+
+
+# ----------------------------------------------------------------- pipeline
+def make_dataset(
+    *,
+    path: str | os.PathLike,
+    seq_len: int,
+    batch_size: int,
+    seed: int = 0,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    pack: bool = False,
+    num_epochs: int | None = None,
+    split: str = tr_lib.TRAIN,
+    num_packing_bins: int | None = None,
+    worker_count: int = 0,
+    source: Any = None,
+) -> grain.IterDataset:
+  """The pipeline as a Grain `IterDataset` (`make_train_iterator` iterates it).
+
+  Args:
+    path: dataset version directory, or a data_dir holding one dataset.
+    seq_len: T, tokens per row.
+    batch_size: rows per batch of this process.
+    seed: shuffling (and bin shuffling when packing).
+    shard_index / shard_count: this process's shard (default
+      `jax.process_index()` / `jax.process_count()`).
+    pack: first-fit pack several examples per row instead of padding each.
+    num_epochs: passes over the data (None = repeat forever).
+    split: dataset split.
+    num_packing_bins: rows packed at a time (default batch_size).
+    worker_count: Grain worker processes (0 = in this process).
+    source: a random-access source to use instead of `path` (tests).
+  """
+  if shard_index is None or shard_count is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    shard_index = jax.process_index() if shard_index is None else shard_index
+    shard_count = jax.process_count() if shard_count is None else shard_count
+  if not 0 <= shard_index < shard_count:
+    raise ConfigError(f"shard_index must be in [0, {shard_count}), got {shard_index}.")
+  if seq_len < 2 or batch_size < 1:
+    raise ConfigError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len}, {batch_size}.")
+  if num_epochs is not None and num_epochs < 1:
+    raise ConfigError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}.")
+  src = source if source is not None else data_source(path, split=split)
+  ds = grain.MapDataset.source(src)
+  n = len(ds) - len(ds) % shard_count
+  if n == 0:
+    raise ConfigError(f"The dataset has {len(ds)} examples, fewer than the {shard_count}"
+                      " processes that share it.")
+  ds = ds[:n][shard_index::shard_count]
+  ds = ds.shuffle(seed=seed).repeat(num_epochs)
+  if pack:
+    ds = ds.map(lambda x: _truncated(x, seq_len)).to_iter_dataset()
+    lengths = {k: seq_len for k in _SEQUENCE_KEYS}
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds, length_struct=lengths, num_packing_bins=num_packing_bins or batch_size,
+        seed=seed, shuffle_bins=True)
+    ds = ds.map(_from_packed).batch(batch_size, drop_remainder=True)
+  else:
+    ds = ds.map(lambda x: _padded(x, seq_len)).batch(batch_size, drop_remainder=True)
+    ds = ds.to_iter_dataset()
+  if worker_count > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+  return ds
+
+
+def make_train_iterator(
+    *,
+    path: str | os.PathLike,
+    seq_len: int,
+    batch_size: int,
+    seed: int = 0,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    pack: bool = False,
+    num_epochs: int | None = None,
+    **kwargs,
+) -> grain.DatasetIterator:
+  """`iter(make_dataset(...))`: a Grain iterator with `get_state` / `set_state`.
+
+  Arguments as `make_dataset` (`split`, `num_packing_bins`, `worker_count`,
+  `source` pass through).
+  """
+  return iter(make_dataset(path=path, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                           shard_index=shard_index, shard_count=shard_count, pack=pack,
+                           num_epochs=num_epochs, **kwargs))

@@ -1,0 +1,718 @@
+"""The `target_responses` TFDS builder: the target's own answers and hidden states.
+
+Drafters learn to imitate the target, so they train on responses the target
+itself generates, and on the target's hidden states at the tapped layers. For
+each prompt (ShareGPT first user messages, or random token ids for tiny
+targets) the builder runs our batched `generate()` in mode "ar" with
+`capture_taps`, which returns the tapped hidden states of every position the
+target read while generating: no second forward pass.
+
+Every example (L = prompt_len + response_len):
+
+    index         int64               position in generation order (prompts
+                                      sorted by length); batch = index // batch_size
+    prompt_key    str                 ShareGPT conversation id, or "random/<i>"
+    tokens        [L] int32           prompt, then the response
+    loss_mask     [L] int32           1 at response positions, 0 on the prompt
+    prompt_len    int32
+    response_len  int32               stop token included when one was hit
+    stopped       bool                the response ended with a stop token
+    features      [L, n_taps, D] f16  taps of layer taps[j] after reading tokens[t];
+                                      the last position is all zeros (the target
+                                      never reads the last token; nothing in the
+                                      example is predicted from it); values beyond
+                                      +-65504 are clipped (counted in
+                                      metadata["totals"]["features_clipped"])
+
+Reproducibility: batch b (prompts `index` in [b * B, (b + 1) * B)) is
+generated with `seed=batch_key(seed, b)`; a last partial batch is filled up to
+B with copies of its last prompt (their outputs are discarded), so every call
+has the same shape. With temperature 0 the batching does not matter, up to
+floating-point near-ties (on the default model batch 1 and batch 8 gave the
+same tokens).
+
+Resumable: prompts are generated in chunks of `chunk_size` and each finished
+chunk is saved atomically (`chunk_00012.npz`, written to a temporary name,
+then renamed) in a work directory outside the dataset. A killed build,
+restarted with the same command, loads the finished chunks and generates only
+the missing ones. Progress (prompts done / total, tokens/s, ETA) goes to
+stderr.
+
+Metadata (`info.metadata`, also `metadata.json` next to the data): target name
+and fingerprint, taps, hidden size, the whole config, prompt filter counts and
+generation throughput. `pipeline.check_dataset_matches` refuses a dataset made
+for other taps or another target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from dloop_jax.data import sharegpt as sharegpt_lib
+from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
+from dloop_jax.errors import ConfigError
+
+NAME = "target_responses"
+TRAIN = "train"
+PROMPT_SOURCES = ("sharegpt", "random")
+WORK_DIR_NAME = "target_responses_work"
+# Hidden states beyond float16's range (some models have "massive
+# activations" at a few positions) are clipped to it, and counted.
+F16_MAX = float(np.finfo(np.float16).max)
+
+
+# ------------------------------------------------------------------ config
+@dataclasses.dataclass(eq=False)
+class TargetResponsesConfig(tfds.core.BuilderConfig):
+  """What is generated (every field changes the data, so all are in the name).
+
+  Attributes:
+    target: "tiny" (a random `tiny_target`), anything `load_target` takes (a
+      registry name such as "smollm2-135m-instruct", a .gguf, an HF dir), or,
+      when the builder is given a model, that model's name.
+    target_seed: tiny only: `tiny_target(seed=...)`.
+    target_init_std: tiny only.
+    taps: tapped decoder layers (() = `default_taps(num_layers)`).
+    prompt_source: "sharegpt" (train split first user messages) or "random"
+      (random token ids; tiny targets, CI).
+    num_prompts: prompts to answer (fewer if the source has fewer).
+    max_new_tokens: response length limit.
+    temperature: 0 = greedy.
+    top_k: 0 = no limit.
+    top_p: 1 = no limit.
+    seed: prompt selection and sampling.
+    chat_template: format ShareGPT prompts with the tokenizer's chat template
+      (else plain text). Targets without a tokenizer encode text as bytes.
+    system_prompt: optional system message ("" = the template's default).
+    max_prompt_tokens: drop prompts that encode to more tokens.
+    skip_continuations: drop ShareGPT parts that start with an assistant turn.
+    batch_size: rows per `generate()` call.
+    chunk_size: prompts per resumable work chunk (a multiple of batch_size).
+    random_prompt_min_len / random_prompt_max_len: random prompt lengths.
+    sharegpt_heldout_fraction / sharegpt_max_prompt_chars /
+      sharegpt_max_conversations: the `sharegpt` config the prompts come from
+      (max_conversations > 0 reads only the first N conversations; tests).
+  """
+
+  target: str = "smollm2-135m-instruct"
+  target_seed: int = 0
+  target_init_std: float = 0.3
+  taps: tuple[int, ...] = ()
+  prompt_source: str = "sharegpt"
+  num_prompts: int = 1000
+  max_new_tokens: int = 512
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  chat_template: bool = True
+  system_prompt: str = ""
+  max_prompt_tokens: int = 1024
+  skip_continuations: bool = True
+  batch_size: int = 8
+  chunk_size: int = 64
+  random_prompt_min_len: int = 4
+  random_prompt_max_len: int = 16
+  sharegpt_heldout_fraction: float = 0.02
+  sharegpt_max_prompt_chars: int = 8192
+  sharegpt_max_conversations: int = 0
+
+  def sharegpt_options(self) -> dict[str, Any]:
+    return {"heldout_fraction": self.sharegpt_heldout_fraction,
+            "max_prompt_chars": self.sharegpt_max_prompt_chars,
+            "max_conversations": self.sharegpt_max_conversations}
+
+  def spec(self) -> dict[str, Any]:
+    """The fields that decide the data (everything but TFDS bookkeeping)."""
+    base = {f.name for f in dataclasses.fields(tfds.core.BuilderConfig)}
+    out = {}
+    for f in dataclasses.fields(self):
+      if f.name not in base:
+        value = getattr(self, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+_TFDS_FIELDS = frozenset(f.name for f in dataclasses.fields(tfds.core.BuilderConfig))
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TargetResponsesConfig)
+                      if f.name not in _TFDS_FIELDS)
+
+
+def _slug(text: str) -> str:
+  base = text
+  if os.sep in text or text.endswith(".gguf"):  # a file or directory: its name
+    base = os.path.splitext(os.path.basename(os.path.normpath(text)))[0]
+  slug = "".join(ch if ch.isalnum() else "_" for ch in base.lower()).strip("_")
+  return slug[:40] or "target"
+
+
+def make_config(*, name: str | None = None, **fields) -> TargetResponsesConfig:
+  """A config whose name is derived from its fields unless given.
+
+  The derived name is `<target slug>_<sha256 of the fields, 10 hex>`, so two
+  configs that would produce different data never share a directory.
+  """
+  unknown = sorted(set(fields) - set(CONFIG_FIELDS))
+  if unknown:
+    raise ConfigError(f"Unknown target_responses options {unknown}; known: {list(CONFIG_FIELDS)}.")
+  if "taps" in fields:
+    fields["taps"] = tuple(int(t) for t in fields["taps"])
+  config = TargetResponsesConfig(name="_", **fields)
+  _validate(config)
+  if name is None:
+    digest = hashlib.sha256(json.dumps(config.spec(), sort_keys=True).encode()).hexdigest()
+    name = f"{_slug(config.target)}_{digest[:10]}"
+  return dataclasses.replace(config, name=name)
+
+
+def _validate(c: TargetResponsesConfig) -> None:
+  if c.prompt_source not in PROMPT_SOURCES:
+    raise ConfigError(f"prompt_source must be one of {PROMPT_SOURCES}, got {c.prompt_source!r}.")
+  for key in ("num_prompts", "max_new_tokens", "batch_size", "chunk_size", "max_prompt_tokens",
+              "random_prompt_min_len", "random_prompt_max_len"):
+    value = getattr(c, key)
+    if not isinstance(value, int) or value < 1:
+      raise ConfigError(f"target_responses {key} must be an int >= 1, got {value!r}.")
+  if c.chunk_size % c.batch_size:
+    raise ConfigError(f"chunk_size ({c.chunk_size}) must be a multiple of batch_size"
+                      f" ({c.batch_size}).")
+  if c.random_prompt_min_len > c.random_prompt_max_len:
+    raise ConfigError("random_prompt_min_len must be <= random_prompt_max_len.")
+
+
+def tiny_target_name(*, seed: int, init_std: float) -> str:
+  """The name the trainer gives the same tiny target (see `training.trainer`)."""
+  return f"tiny(seed={seed},init_std={init_std})"
+
+
+def batch_key(seed: int, batch_index: int):
+  """The PRNG key batch `batch_index` is generated with."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.random.fold_in(jax.random.key(seed), batch_index)
+
+
+# --------------------------------------------------------------- tokenizing
+class ByteTokenizer:
+  """Text -> ids for targets without a tokenizer: UTF-8 bytes modulo the vocab.
+
+  Lets tiny random targets answer real ShareGPT prompts (tests, CI); the
+  "chat template" is a plain `User: ...\\nAssistant:` wrapper.
+  """
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+    self.stop_token_ids: tuple[int, ...] = ()
+
+  def encode(self, text: str) -> list[int]:
+    return [b % self.vocab_size for b in text.encode("utf-8")]
+
+  def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return self.encode(text + "Assistant:")
+
+
+def encode_prompt(text: str, *, tokenizer: Any, chat_template: bool,
+                  system_prompt: str = "") -> list[int]:
+  """A user message -> prompt token ids (chat-formatted, generation prompt added)."""
+  messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+  messages.append({"role": "user", "content": text})
+  if isinstance(tokenizer, ByteTokenizer):
+    return tokenizer.chat(messages) if chat_template else tokenizer.encode(text)
+  if chat_template:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+  return list(tokenizer.encode(text))
+
+
+# ----------------------------------------------------------------- progress
+class Progress:
+  """Prompts done / total, generated tokens per second and ETA, to stderr."""
+
+  def __init__(self, *, total: int, done: int, stream: TextIO | None = None,
+               every_seconds: float = 2.0, enabled: bool = True):
+    self.total, self.done, self.start_done = total, done, done
+    self.new_tokens = 0
+    self.stream = stream if stream is not None else sys.stderr
+    self.every = every_seconds
+    self.enabled = enabled
+    self.t0 = time.perf_counter()
+    self._last = -math.inf
+
+  def update(self, *, prompts: int, new_tokens: int, force: bool = False) -> None:
+    self.done += prompts
+    self.new_tokens += new_tokens
+    now = time.perf_counter()
+    if self.enabled and (force or now - self._last >= self.every or self.done == self.total):
+      self._last = now
+      print(self.line(now), file=self.stream, flush=True)
+
+  def line(self, now: float | None = None) -> str:
+    elapsed = (now or time.perf_counter()) - self.t0
+    generated = self.done - self.start_done
+    rate = self.new_tokens / elapsed if elapsed > 0 else 0.0
+    if generated and self.done < self.total:
+      eta = _duration(elapsed / generated * (self.total - self.done))
+    else:
+      eta = "0s" if self.done >= self.total else "?"
+    pct = 100.0 * self.done / max(self.total, 1)
+    return (f"[{NAME}] {self.done}/{self.total} prompts ({pct:.0f}%) | {rate:,.1f} new tok/s"
+            f" | elapsed {_duration(elapsed)} | ETA {eta}")
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+# ------------------------------------------------------------------ chunks
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prompt:
+  key: str
+  ids: tuple[int, ...]
+
+
+def _save_chunk(path: str, arrays: dict[str, np.ndarray]) -> None:
+  """Writes an npz under a temporary name, then renames: never a partial file."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    np.savez(f, **arrays)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _load_chunk(path: str, *, expected_index: np.ndarray) -> dict[str, np.ndarray] | None:
+  """A finished chunk, or None if it is unreadable or belongs to other prompts."""
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      arrays = {k: z[k] for k in z.files}
+  except (OSError, ValueError, EOFError) as e:
+    print(f"[{NAME}] ignoring unreadable chunk {path} ({type(e).__name__}: {e});"
+          " regenerating it.", file=sys.stderr)
+    return None
+  if not np.array_equal(arrays.get("index"), expected_index):
+    return None
+  return arrays
+
+
+def _chunk_examples(arrays: dict[str, np.ndarray]):
+  """Per-example dicts of one chunk (tokens and features are stored flat)."""
+  offsets = np.concatenate([[0], np.cumsum(arrays["lengths"])])
+  for i in range(len(arrays["index"])):
+    a, b = int(offsets[i]), int(offsets[i + 1])
+    prompt_len = int(arrays["prompt_lens"][i])
+    tokens = arrays["tokens"][a:b]
+    mask = np.zeros((b - a,), np.int32)
+    mask[prompt_len:] = 1
+    yield int(arrays["index"][i]), {
+        "index": int(arrays["index"][i]),
+        "prompt_key": str(arrays["keys"][i]),
+        "tokens": tokens.astype(np.int32),
+        "loss_mask": mask,
+        "prompt_len": prompt_len,
+        "response_len": (b - a) - prompt_len,
+        "stopped": bool(arrays["stopped"][i]),
+        "features": arrays["features"][a:b],
+    }
+
+
+# ----------------------------------------------------------------- builder
+class TargetResponses(LocalBuilder):
+  """Target-regenerated responses with the target's tapped hidden states."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release."}
+  BUILDER_CONFIGS = [make_config(name="smollm2_default")]
+  DEFAULT_CONFIG_NAME = "smollm2_default"
+
+  def __init__(self, *, target_model: Any = None, tokenizer: Any = None,
+               work_dir: str | None = None, progress: bool = True,
+               on_chunk: Callable[..., None] | None = None,
+               sharegpt_data_dir: str | None = None, **kwargs):
+    """Args beyond TFDS's (`data_dir`, `config`, `file_format`, ...).
+
+    Args:
+      target_model: an already built target (`Transformer`); the config's
+        `target` is then only its name. Default: built from the config.
+      tokenizer: its tokenizer (None: the loaded target's, or bytes).
+      work_dir: where finished chunks are kept between runs (default
+        `<data_dir>/target_responses_work/<config name>/<version>`).
+      progress: print progress lines to stderr.
+      on_chunk: called as `on_chunk(i, num_chunks, reused=bool)` when the
+        i-th chunk (in processing order) is ready: saved, or loaded from an
+        earlier run.
+      sharegpt_data_dir: where the sharegpt dataset is (default: data_dir).
+    """
+    self._target_model = target_model
+    self._tokenizer = tokenizer
+    self._work_dir = work_dir
+    self._progress = progress
+    self._on_chunk = on_chunk
+    self._sharegpt_data_dir = sharegpt_data_dir
+    self._resolved = None
+    self.chunks_generated = 0
+    self.chunks_reused = 0
+    super().__init__(**kwargs)
+
+  # ------------------------------------------------------------- target
+  def target(self) -> tuple[Any, Any, str]:
+    """(model, tokenizer or None, name), built once."""
+    if self._resolved is None:
+      c: TargetResponsesConfig = self.builder_config
+      if self._target_model is not None:
+        self._resolved = (self._target_model, self._tokenizer, c.target)
+      elif c.target == "tiny":
+        from dloop_jax.models.config import tiny_target  # pylint: disable=g-import-not-at-top
+        model = tiny_target(seed=c.target_seed, init_std=c.target_init_std)
+        self._resolved = (model, self._tokenizer,
+                          tiny_target_name(seed=c.target_seed, init_std=c.target_init_std))
+      else:
+        from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
+        loaded = load_target(c.target)
+        self._resolved = (loaded.model, self._tokenizer or loaded.tokenizer, loaded.name)
+    return self._resolved
+
+  def taps(self) -> tuple[int, ...]:
+    from dloop_jax.models.config import default_taps  # pylint: disable=g-import-not-at-top
+    c: TargetResponsesConfig = self.builder_config
+    config = self.target()[0].config
+    taps = tuple(c.taps) or default_taps(config.num_layers)
+    bad = [t for t in taps if not 0 <= t < config.num_layers]
+    if bad:
+      raise ConfigError(f"taps {bad} are not decoder layers of the target"
+                        f" (0..{config.num_layers - 1}).")
+    return taps
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    model = self.target()[0]
+    n_taps, d = len(self.taps()), model.config.hidden_size
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="Responses regenerated by the target, with its tapped hidden states.",
+        features=tfds.features.FeaturesDict({
+            "index": tfds.features.Scalar(np.int64),
+            "prompt_key": tfds.features.Text(),
+            "tokens": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "loss_mask": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "prompt_len": tfds.features.Scalar(np.int32),
+            "response_len": tfds.features.Scalar(np.int32),
+            "stopped": tfds.features.Scalar(np.bool_),
+            # Raw bytes: the proto float list would widen float16 to float32.
+            "features": tfds.features.Tensor(shape=(None, n_taps, d), dtype=np.float16,
+                                             encoding=tfds.features.Encoding.BYTES),
+        }),
+        metadata=tfds.core.MetadataDict(),
+    )
+
+  # ------------------------------------------------------------- prompts
+  def _tokenizer_for_prompts(self):
+    model, tokenizer, _ = self.target()
+    return tokenizer if tokenizer is not None else ByteTokenizer(model.config.vocab_size)
+
+  def _prompts(self) -> tuple[list[Prompt], dict[str, int]]:
+    c: TargetResponsesConfig = self.builder_config
+    model = self.target()[0]
+    vocab = model.config.vocab_size
+    limit = min(c.max_prompt_tokens, model.config.max_position_embeddings - c.max_new_tokens)
+    if limit < 1:
+      raise ConfigError(f"max_new_tokens={c.max_new_tokens} leaves no room for a prompt in the"
+                        f" target's context of {model.config.max_position_embeddings} tokens.")
+    counts = {"examined": 0, "overlong_tokens": 0, "continuation": 0}
+    rng = np.random.default_rng(c.seed)
+    if c.prompt_source == "random":
+      out = []
+      for i in range(c.num_prompts):
+        n = int(rng.integers(c.random_prompt_min_len, c.random_prompt_max_len + 1))
+        n = min(n, limit)
+        out.append(Prompt(key=f"random/{i}", ids=tuple(int(t) for t in rng.integers(0, vocab, n))))
+      counts["examined"] = len(out)
+      return out, counts
+    sg = sharegpt_lib.build_sharegpt(
+        data_dir=self._sharegpt_data_dir or os.fspath(self.data_dir_root),
+        **c.sharegpt_options())
+    source = sg.as_data_source()[sharegpt_lib.TRAIN]
+    records = sorted(((int(r["index"]), _text(r["id"]), _text(r["first_user_message"]),
+                       bool(r["starts_with_user"])) for r in source), key=lambda r: r[0])
+    tokenizer = self._tokenizer_for_prompts()
+    out = []
+    for j in rng.permutation(len(records)):
+      if len(out) >= c.num_prompts:
+        break
+      _, conv_id, text, starts_with_user = records[j]
+      counts["examined"] += 1
+      if c.skip_continuations and not starts_with_user:
+        counts["continuation"] += 1
+        continue
+      ids = encode_prompt(text, tokenizer=tokenizer, chat_template=c.chat_template,
+                          system_prompt=c.system_prompt)
+      if len(ids) > limit:
+        counts["overlong_tokens"] += 1
+        continue
+      out.append(Prompt(key=conv_id, ids=tuple(int(t) for t in ids)))
+    counts["sharegpt_dropped"] = dict(sg.info.metadata.get("dropped", {}))
+    return out, counts
+
+  # ------------------------------------------------------------- splits
+  @property
+  def work_dir(self) -> str:
+    if self._work_dir:
+      return self._work_dir
+    return os.path.join(os.fspath(self.data_dir_root), WORK_DIR_NAME, self.builder_config.name,
+                        str(self.version))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # nothing to download
+    c: TargetResponsesConfig = self.builder_config
+    prompts, counts = self._prompts()
+    if not prompts:
+      raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
+                        " skip_continuations); nothing to generate.")
+    # Sorted by length: rows of a batch pad to similar widths, and the few
+    # prompt-width buckets compile once each.
+    prompts = sorted(prompts, key=lambda p: (len(p.ids), p.key))
+    model, _, target_name = self.target()
+    plan = {"config": c.spec(), "target_name": target_name, "taps": list(self.taps()),
+            "prompts": hashlib.sha256(json.dumps([[p.key, p.ids] for p in prompts]).encode())
+            .hexdigest()}
+    os.makedirs(self.work_dir, exist_ok=True)
+    plan_path = os.path.join(self.work_dir, "plan.json")
+    if os.path.exists(plan_path):
+      with open(plan_path) as f:
+        old = json.load(f)
+      if old != plan:
+        raise ConfigError(
+            f"The work directory {self.work_dir} holds chunks of a different build (other"
+            " prompts, target or settings). Delete it, or pass another work_dir.")
+    else:
+      with open(plan_path + ".tmp", "w") as f:
+        json.dump(plan, f)
+      os.replace(plan_path + ".tmp", plan_path)
+    for stale in glob.glob(os.path.join(self.work_dir, "*.tmp-*")):
+      os.remove(stale)  # left by a killed run
+    self.info.metadata.update({
+        "target_name": target_name,
+        "target_fingerprint": dict(model.config.fingerprint),
+        "taps": list(self.taps()),
+        "hidden_size": model.config.hidden_size,
+        "vocab_size": model.config.vocab_size,
+        "config": c.spec(),
+        "prompt_counts": counts,
+        "features_layout": "features[t] = taps after reading tokens[t]; last position zeros",
+    })
+    return {TRAIN: self._generate_examples(prompts)}
+
+  def _generate_examples(self, prompts: list[Prompt]):
+    c: TargetResponsesConfig = self.builder_config
+    n = len(prompts)
+    num_chunks = -(-n // c.chunk_size)
+    progress = Progress(total=n, done=0, enabled=self._progress)
+    totals = {"examples": 0, "tokens": 0, "response_tokens": 0, "generation_seconds": 0.0,
+              "new_tokens": 0, "compile_seconds": 0.0, "features_clipped": 0}
+    # Chunks hold prompts of similar length (sorted); visiting them in a
+    # seeded random order keeps the tokens/s and ETA estimates unbiased.
+    order = np.random.default_rng(c.seed).permutation(num_chunks)
+    for position, k in enumerate(order.tolist()):
+      lo, hi = k * c.chunk_size, min(n, (k + 1) * c.chunk_size)
+      path = os.path.join(self.work_dir, f"chunk_{k:05d}.npz")
+      index = np.arange(lo, hi, dtype=np.int64)
+      arrays = _load_chunk(path, expected_index=index) if os.path.exists(path) else None
+      reused = arrays is not None
+      if reused:
+        self.chunks_reused += 1
+        progress.done += hi - lo
+        progress.start_done += hi - lo
+      else:
+        arrays = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress)
+        _save_chunk(path, arrays)
+        self.chunks_generated += 1
+      totals["generation_seconds"] += float(arrays["seconds"])
+      totals["compile_seconds"] += float(arrays["compile_seconds"])
+      totals["new_tokens"] += int(arrays["new_tokens"])
+      totals["features_clipped"] += int(arrays["clipped"])
+      if self._on_chunk is not None:
+        self._on_chunk(position, num_chunks, reused=reused)
+      for key, example in _chunk_examples(arrays):
+        totals["examples"] += 1
+        totals["tokens"] += len(example["tokens"])
+        totals["response_tokens"] += int(example["response_len"])
+        yield key, example
+    gen_s = totals["generation_seconds"]
+    wall_s = gen_s + totals["compile_seconds"]
+    totals["new_tokens_per_second"] = totals["new_tokens"] / gen_s if gen_s else 0.0
+    totals["new_tokens_per_second_with_compile"] = totals["new_tokens"] / wall_s if wall_s else 0.0
+    self.info.metadata["totals"] = totals
+    if self._progress:
+      print(f"[{NAME}] {n} prompts ready ({self.chunks_reused} chunks reused,"
+            f" {self.chunks_generated} generated); writing the dataset.", file=sys.stderr,
+            flush=True)
+
+  def _generate_chunk(self, prompts: list[Prompt], *, lo: int, hi: int,
+                      progress: Progress) -> dict[str, np.ndarray]:
+    """Answers prompts [lo, hi) in batches; returns the chunk's flat arrays."""
+    from dloop_jax.decoding import SamplingConfig, generate  # pylint: disable=g-import-not-at-top
+    c: TargetResponsesConfig = self.builder_config
+    model, _, _ = self.target()
+    tokenizer = self._tokenizer_for_prompts()
+    stops = tuple(getattr(tokenizer, "stop_token_ids", ()) or ()) or tuple(
+        model.config.eos_token_ids)
+    sampling = SamplingConfig(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+    taps = self.taps()
+    tokens, features, lengths, prompt_lens, stopped = [], [], [], [], []
+    seconds = compile_seconds = 0.0
+    new_tokens = clipped = 0
+    for start in range(lo, hi, c.batch_size):
+      batch = prompts[start:min(hi, start + c.batch_size)]
+      real = len(batch)
+      # Fill a short last batch with copies: same shapes, no extra compile.
+      ids = [list(p.ids) for p in batch] + [list(batch[-1].ids)] * (c.batch_size - real)
+      out = generate(model, ids, max_new_tokens=c.max_new_tokens, sampling=sampling,
+                     seed=batch_key(c.seed, start // c.batch_size), stop_tokens=stops,
+                     capture_taps=taps)
+      seconds += out.seconds  # compiled execution only; compilation is counted apart
+      compile_seconds += out.compile_seconds
+      batch_new = 0
+      for i in range(real):
+        response = out.tokens[i]
+        seq = np.asarray(list(batch[i].ids) + list(response), np.int32)
+        read = np.asarray(out.features[i], np.float32)
+        feats = np.zeros((len(seq),) + read.shape[1:], np.float16)
+        clipped += int(np.count_nonzero(np.abs(read) > F16_MAX))
+        feats[:len(seq) - 1] = np.clip(read, -F16_MAX, F16_MAX).astype(np.float16)
+        tokens.append(seq)
+        features.append(feats)
+        lengths.append(len(seq))
+        prompt_lens.append(len(batch[i].ids))
+        stopped.append(bool(response) and int(response[-1]) in stops)
+        batch_new += len(response)
+      new_tokens += batch_new
+      progress.update(prompts=real, new_tokens=batch_new)
+    return {
+        "index": np.arange(lo, hi, dtype=np.int64),
+        "keys": np.asarray([p.key for p in prompts[lo:hi]], dtype=str),
+        "tokens": np.concatenate(tokens),
+        "features": np.concatenate(features),
+        "lengths": np.asarray(lengths, np.int64),
+        "prompt_lens": np.asarray(prompt_lens, np.int64),
+        "stopped": np.asarray(stopped, bool),
+        "seconds": np.asarray(seconds),
+        "compile_seconds": np.asarray(compile_seconds),
+        "new_tokens": np.asarray(new_tokens),
+        "clipped": np.asarray(clipped),
+    }
+
+
+def _text(value: Any) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+# ------------------------------------------------------------ programmatic
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildResult:
+  """What `build_target_responses` made.
+
+  Attributes:
+    dataset_dir: the TFDS version directory (`.../target_responses/<config>/1.0.0`),
+      what `pipeline.make_train_iterator(path=...)` and the trainer's
+      `data.path` take (the data_dir above it works too when it holds one
+      dataset).
+    config: the builder config.
+    chunks_generated / chunks_reused: work done in this call / loaded from an
+      earlier, interrupted one (both 0 when the dataset already existed).
+    metadata: the dataset's metadata.
+  """
+
+  dataset_dir: str
+  config: TargetResponsesConfig
+  chunks_generated: int
+  chunks_reused: int
+  metadata: dict[str, Any]
+
+
+def build_target_responses(
+    *,
+    out_dir: str,
+    target: Any = "tiny",
+    target_name: str | None = None,
+    tokenizer: Any = None,
+    taps: Sequence[int] = (),
+    num_examples: int | None = None,
+    seq_len: int | None = None,
+    seed: int = 0,
+    name: str | None = None,
+    work_dir: str | None = None,
+    keep_work_dir: bool = False,
+    progress: bool = True,
+    on_chunk: Callable[..., None] | None = None,
+    sharegpt_data_dir: str | None = None,
+    **options,
+) -> BuildResult:
+  """Builds (or reuses) a `target_responses` dataset under `out_dir`.
+
+  Args:
+    out_dir: the TFDS data_dir.
+    target: a `Transformer`, or a config spec ("tiny", a registry name, a
+      .gguf / HF dir).
+    target_name: the name recorded for a given `Transformer` (the trainer
+      passes its own, e.g. "tiny(seed=1,init_std=0.3)").
+    tokenizer: tokenizer of a given `Transformer` (None: bytes for ShareGPT).
+    taps: tapped layers (() = the target's default taps).
+    num_examples: prompts to answer (`num_prompts`).
+    seq_len: with random prompts and no explicit `max_new_tokens` /
+      `random_prompt_max_len`, choose them so that examples fit `seq_len`
+      (prompts up to seq_len // 4 tokens, responses the rest).
+    seed: prompt selection and sampling seed.
+    name: builder config name (default: derived from every setting).
+    work_dir: chunk directory (see `TargetResponses`).
+    keep_work_dir: keep the chunks after a successful build (by default they
+      are deleted: they duplicate the dataset).
+    progress: print progress to stderr.
+    on_chunk: see `TargetResponses`.
+    sharegpt_data_dir: where the sharegpt dataset is built (default out_dir).
+    **options: other `TargetResponsesConfig` fields (prompt_source,
+      max_new_tokens, temperature, batch_size, chunk_size, ...).
+
+  Returns:
+    A `BuildResult`.
+  """
+  model = None
+  if not isinstance(target, str):
+    model = target
+    spec = target_name or getattr(model.config, "name", "") or "custom"
+  else:
+    spec = target
+  fields = dict(options)
+  fields.setdefault("prompt_source", "random")
+  if num_examples is not None:
+    fields["num_prompts"] = int(num_examples)
+  if seq_len is not None and fields["prompt_source"] == "random":
+    fields.setdefault("random_prompt_max_len", max(1, seq_len // 4))
+    fields.setdefault("random_prompt_min_len", min(4, fields["random_prompt_max_len"]))
+    fields.setdefault("max_new_tokens", max(1, seq_len - fields["random_prompt_max_len"]))
+  if "batch_size" in fields and "chunk_size" not in fields:
+    fields["chunk_size"] = int(fields["batch_size"]) * max(1, 64 // int(fields["batch_size"]))
+  config = make_config(name=name, target=spec, taps=tuple(taps), seed=int(seed), **fields)
+  builder = TargetResponses(
+      data_dir=out_dir, config=config, file_format=FILE_FORMAT, target_model=model,
+      tokenizer=tokenizer, work_dir=work_dir, progress=progress, on_chunk=on_chunk,
+      sharegpt_data_dir=sharegpt_data_dir)
+  builder.download_and_prepare(download_config=no_network_download_config())
+  if not keep_work_dir and os.path.isdir(builder.work_dir):
+    shutil.rmtree(builder.work_dir, ignore_errors=True)
+  metadata = dict(builder.info.metadata) if builder.info.metadata is not None else {}
+  return BuildResult(dataset_dir=os.fspath(builder.data_dir), config=config,
+                     chunks_generated=builder.chunks_generated,
+                     chunks_reused=builder.chunks_reused, metadata=metadata)

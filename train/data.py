@@ -1,0 +1,143 @@
+"""Builds the drafter training data: ShareGPT, then the target's regenerated responses.
+
+    python -m train.data --config configs/data_smollm2.py [--data_dir DIR] \
+        [--config.target_responses.num_prompts=256 ...] [--only target_responses]
+
+`--data_dir` defaults to the config's `data_dir`, else $DLOOP_DATA_DIR, else
+~/.cache/dloop_jax/datasets (under $XDG_CACHE_HOME when set). Rerunning an
+interrupted command resumes: finished chunks of regenerated responses are
+reused. The last lines printed name the dataset directory to train on:
+
+    python -m train --config configs/smollm2_eagle3.py --workdir runs/x \
+        --config.data.path=<that directory>
+
+See docs/data.md.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Data config file (configs/data_*.py), optionally `path:recipe`.",
+    lock_config=True)
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "TFDS data directory (default: config.data_dir, else the user cache).")
+_ONLY = flags.DEFINE_list(
+    "only", None, "Build only these datasets (sharegpt, target_responses).")
+flags.mark_flags_as_required(["config"])
+
+DATASETS = ("sharegpt", "target_responses")
+
+
+def _plain(value: Any) -> Any:
+  if hasattr(value, "items"):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_plain(v) for v in value]
+  return value
+
+
+def _disk_bytes(dataset_dir: str) -> int:
+  return sum(os.path.getsize(p) for p in glob.glob(os.path.join(dataset_dir, "*.array_record*")))
+
+
+def build_from_config(config: Any, *, data_dir: str | None = None,
+                      only: Sequence[str] | None = None, progress: bool = True) -> dict[str, Any]:
+  """Builds the datasets a data config names; returns a summary per dataset.
+
+  Args:
+    config: a data config (see configs/data_*.py).
+    data_dir: TFDS data directory (default: config.data_dir, else the user cache).
+    only: subset of `config.datasets` to build.
+    progress: progress lines on stderr.
+
+  Returns:
+    `{"data_dir": ..., "<dataset>": {"dataset_dir": ..., ...}}`.
+  """
+  # Local imports: absl flag parsing stays fast and `--help` works without them.
+  from dloop_jax.data import sharegpt as sharegpt_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.data import target_responses as tr_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.data import tfds_utils  # pylint: disable=g-import-not-at-top
+  from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  data_dir = os.path.expanduser(data_dir or config.data_dir or tfds_utils.default_data_dir())
+  wanted = list(only) if only else list(config.datasets)
+  unknown = sorted(set(wanted) - set(DATASETS))
+  if unknown:
+    raise ConfigError(f"Unknown datasets {unknown}; choose from {list(DATASETS)}.")
+  summary: dict[str, Any] = {"data_dir": data_dir}
+  sg_options = _plain(config.sharegpt)
+  if "sharegpt" in wanted:
+    builder = sharegpt_lib.build_sharegpt(data_dir=data_dir, **sg_options)
+    summary["sharegpt"] = {
+        "dataset_dir": os.fspath(builder.data_dir),
+        "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
+        "dropped": dict(builder.info.metadata.get("dropped", {})),
+    }
+  if "target_responses" in wanted:
+    fields = _plain(config.target_responses)
+    name = fields.pop("name", "") or None
+    keep = bool(config.keep_work_dir)
+    for key, value in sg_options.items():
+      if key != "source_path":
+        fields[f"sharegpt_{key}"] = value
+    tr_config = tr_lib.make_config(name=name, **fields)
+    builder = tr_lib.TargetResponses(data_dir=data_dir, config=tr_config,
+                                     file_format=tfds_utils.FILE_FORMAT, progress=progress)
+    builder.download_and_prepare(download_config=tfds_utils.no_network_download_config())
+    if not keep and os.path.isdir(builder.work_dir):
+      import shutil  # pylint: disable=g-import-not-at-top
+      shutil.rmtree(builder.work_dir, ignore_errors=True)
+    dataset_dir = os.fspath(builder.data_dir)
+    meta = tfds_utils.read_metadata(dataset_dir)
+    totals = meta.get("totals", {})
+    size = _disk_bytes(dataset_dir)
+    tokens = int(totals.get("tokens", 0))
+    summary["target_responses"] = {
+        "dataset_dir": dataset_dir,
+        "config": tr_config.name,
+        "examples": int(totals.get("examples", 0)),
+        "tokens": tokens,
+        "response_tokens": int(totals.get("response_tokens", 0)),
+        "new_tokens": int(totals.get("new_tokens", 0)),
+        "generation_seconds": round(float(totals.get("generation_seconds", 0.0)), 2),
+        "compile_seconds": round(float(totals.get("compile_seconds", 0.0)), 2),
+        "new_tokens_per_second": round(float(totals.get("new_tokens_per_second", 0.0)), 2),
+        "disk_bytes": size,
+        "disk_bytes_per_1000_tokens": round(1000 * size / tokens) if tokens else None,
+        "chunks_generated": builder.chunks_generated,
+        "chunks_reused": builder.chunks_reused,
+        "taps": meta.get("taps"),
+        "target_name": meta.get("target_name"),
+    }
+  return summary
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+  try:
+    summary = build_from_config(_CONFIG.value, data_dir=_DATA_DIR.value, only=_ONLY.value,
+                                progress=bool(_CONFIG.value.progress))
+  except DLoopError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(summary, indent=2))
+  if "target_responses" in summary:
+    print(f"\nTrain on it with: --config.data.source=path"
+          f" --config.data.path={summary['target_responses']['dataset_dir']}")
+
+
+if __name__ == "__main__":
+  app.run(main)
