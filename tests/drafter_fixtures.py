@@ -30,17 +30,18 @@ class TargetDrafter(Drafter):
   """Autoregressive drafter: w * target logits + scale * table[last token]."""
 
   def __init__(self, target: Transformer, *, target_weight: float, noise_scale: float,
-               seed: int = 0, block_size: int = 3, name: str = "oracle"):
+               seed: int = 0, block_size: int = 3):
     config = target.config
     self.model = Transformer.from_params(config, target.flat_params())
     table = jax.random.normal(jax.random.key(seed), (config.vocab_size, config.vocab_size))
     self.noise = nnx.Param(table * noise_scale)
-    self.target_weight = float(target_weight)
+    # Arrays, not Python floats: all fixtures share one graph, so one compile.
+    self.target_weight = nnx.Param(jnp.asarray(target_weight, jnp.float32))
     self.kind = "autoregressive"
     self.taps = (0,)
     self.block_size = block_size
     self.target_fingerprint = tuple(sorted(config.fingerprint.items()))
-    self.name = name
+    self.name = "target-fixture"
 
   def init_state(self, *, batch_size, capacity):
     return TargetDrafterState(cache=self.model.init_cache(batch_size=batch_size, capacity=capacity),
@@ -58,7 +59,7 @@ class TargetDrafter(Drafter):
 
   def _logits(self, cache, pending):
     out = self.model(pending[:, None], positions=cache.lengths[:, None], cache=cache)
-    logits = self.target_weight * out.logits[:, 0] + self.noise[...][pending]
+    logits = self.target_weight[...] * out.logits[:, 0] + self.noise[...][pending]
     return logits, out.cache
 
   def draft_stage(self, state, *, key, block_size, sampling):
@@ -78,12 +79,12 @@ class TargetDrafter(Drafter):
 
 
 def oracle(target, **kw):
-  return TargetDrafter(target, target_weight=1.0, noise_scale=0.0, name="oracle", **kw)
+  return TargetDrafter(target, target_weight=1.0, noise_scale=0.0, **kw)
 
 
 def perturbed(target, *, noise_scale=0.3, **kw):
-  return TargetDrafter(target, target_weight=1.0, noise_scale=noise_scale, name="perturbed", **kw)
+  return TargetDrafter(target, target_weight=1.0, noise_scale=noise_scale, **kw)
 
 
 def random_drafter(target, **kw):
-  return TargetDrafter(target, target_weight=0.0, noise_scale=3.0, name="random", **kw)
+  return TargetDrafter(target, target_weight=0.0, noise_scale=3.0, **kw)

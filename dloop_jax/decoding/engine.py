@@ -337,7 +337,7 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
   drafter.check_target(target.config)
 
 
-def generate(
+def _prepare(
     target: Transformer,
     prompts: Sequence[Sequence[int]],
     *,
@@ -351,27 +351,8 @@ def generate(
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
-) -> GenerationOutput:
-  """Generates continuations of a batch of token-id prompts.
-
-  Args:
-    target: the target model.
-    prompts: B prompts (lists of token ids, lengths may differ).
-    max_new_tokens: new tokens per row at most (the first comes from prefill).
-    mode: "ar", "sd" or "dloop".
-    drafter: drafter for "sd" / "dloop".
-    block_size: gamma, drafts per stage (default: the drafter's own).
-    gate: DLoop's confidence gate g (only "dloop").
-    max_stages: S_max (only "dloop"; "sd" always drafts one stage).
-    sampling: greedy by default.
-    seed: int or PRNG key.
-    stop_tokens: token ids that end a row (committed, then the row stops).
-    capture_taps: ("ar" only) also return the target's tapped hidden states at
-      every position read during generation.
-
-  Returns:
-    A `GenerationOutput` with the new tokens and statistics of every row.
-  """
+) -> tuple[_Static, tuple]:
+  """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
     block_size = drafter.block_size
   if mode == "sd":
@@ -419,6 +400,57 @@ def generate(
   key = jax.random.key(seed) if isinstance(seed, int) else seed
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
           jnp.asarray(gate, jnp.float32))
+  return static, args
+
+
+def decode_jaxpr(target: Transformer, prompts: Sequence[Sequence[int]], **kwargs):
+  """The jaxpr of the program `generate()` would run (for inspection and tests)."""
+  static, args = _prepare(target, prompts, **kwargs)
+  return jax.make_jaxpr(lambda *a: _decode(static, *a))(*args)
+
+
+def generate(
+    target: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    mode: str = "ar",
+    drafter: Drafter | None = None,
+    block_size: int | None = None,
+    gate: float = -0.5,
+    max_stages: int = 3,
+    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+    seed: int | jax.Array = 0,
+    stop_tokens: Sequence[int] = (),
+    capture_taps: Sequence[int] = (),
+) -> GenerationOutput:
+  """Generates continuations of a batch of token-id prompts.
+
+  Args:
+    target: the target model.
+    prompts: B prompts (lists of token ids, lengths may differ).
+    max_new_tokens: new tokens per row at most (the first comes from prefill).
+    mode: "ar", "sd" or "dloop".
+    drafter: drafter for "sd" / "dloop".
+    block_size: gamma, drafts per stage (default: the drafter's own).
+    gate: DLoop's confidence gate g (only "dloop").
+    max_stages: S_max (only "dloop"; "sd" always drafts one stage).
+    sampling: greedy by default.
+    seed: int or PRNG key.
+    stop_tokens: token ids that end a row (committed, then the row stops).
+    capture_taps: ("ar" only) also return the target's tapped hidden states at
+      every position read during generation.
+
+  Returns:
+    A `GenerationOutput` with the new tokens and statistics of every row.
+  """
+  static, args = _prepare(
+      target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
+      block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
+      stop_tokens=stop_tokens, capture_taps=capture_taps)
+  prompts = [list(p) for p in prompts]
+  is_ar = mode == "ar"
+  gamma, s_max = static.block_size, static.max_stages
 
   compile_seconds = 0.0
   compiled = _COMPILED.get(static)

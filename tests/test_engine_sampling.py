@@ -1,0 +1,141 @@
+"""Sampling losslessness: sd and dloop draw from the exact target distribution.
+
+For a tiny target we enumerate the exact distribution of the first three
+generated tokens under the processed (temperature / top-k / top-p) target
+distribution, draw N = 20,000 rows in one batched call, and run Pearson's
+chi-square goodness-of-fit test, merging outcomes with expected count < 5 into
+one cell (the usual validity condition of the chi-square approximation).
+
+Threshold: p-value > 1e-4. The draws are seeded, so the test is deterministic;
+the threshold says that a correct sampler would have to be unlucky at the
+1-in-10,000 level to fail, while the wrong rules it guards against (accepting
+every draft, resampling from p instead of the residual, sampling the bonus
+from q) shift whole probability mass between outcomes: with the drafters below
+(q far from p) they give chi-square statistics in the thousands.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import drafter_fixtures
+from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.decoding.sampling import processed_probs
+
+N = 20_000
+PROMPT = [3, 14, 15]
+
+
+def _next_probs(target, contexts, sampling):
+  """Processed next-token distributions after each of equally long contexts."""
+  tokens = jnp.asarray(contexts, jnp.int32)
+  b, t = tokens.shape
+  cache = target.init_cache(batch_size=b, capacity=t)
+  positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+  logits = target(tokens, positions=positions, cache=cache).logits[:, -1]
+  return np.asarray(processed_probs(logits, sampling), np.float64)
+
+
+def exact_distribution(target, prompt, sampling, depth=3):
+  """{(t1, .., t_depth): probability} by enumerating the support."""
+  dist = {(): 1.0}
+  for _ in range(depth):
+    seqs = list(dist)
+    probs = _next_probs(target, [prompt + list(seq) for seq in seqs], sampling)
+    nxt = {}
+    for seq, row in zip(seqs, probs):
+      for tok in np.nonzero(row > 0)[0]:
+        nxt[seq + (int(tok),)] = dist[seq] * row[tok]
+    dist = nxt
+  return dist
+
+
+def chi_square_pvalue(samples, exact):
+  counts = collections.Counter(samples)
+  assert set(counts) <= set(exact), "sampled a sequence outside the target's support"
+  expected = np.array([exact[k] * N for k in exact])
+  observed = np.array([counts.get(k, 0) for k in exact], np.float64)
+  small = expected < 5
+  if small.any():
+    expected = np.append(expected[~small], expected[small].sum())
+    observed = np.append(observed[~small], observed[small].sum())
+  stat = float(((observed - expected) ** 2 / expected).sum())
+  return float(scipy_stats.chi2.sf(stat, df=len(expected) - 1)), stat
+
+
+SETTINGS = {
+    "topk4_t1": SamplingConfig(temperature=1.0, top_k=4),
+    "topp_t07": SamplingConfig(temperature=0.7, top_p=0.8, top_k=6),
+}
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+  return {name: exact_distribution(tiny, PROMPT, s) for name, s in SETTINGS.items()}
+
+
+@pytest.mark.parametrize("setting,mode,gamma,max_stages,gate,drafter_name", [
+    ("topk4_t1", "ar", None, None, None, None),
+    ("topp_t07", "ar", None, None, None, None),
+    ("topk4_t1", "sd", 2, 1, 0.0, "perturbed"),
+    ("topp_t07", "sd", 2, 1, 0.0, "random"),
+    ("topp_t07", "dloop", 1, 2, -math.inf, "perturbed"),
+    ("topk4_t1", "dloop", 1, 3, -1.0, "random"),
+    ("topk4_t1", "dloop", 2, 2, -0.5, "perturbed"),
+])
+def test_first_three_tokens_match_target(tiny, exact, setting, mode, gamma, max_stages, gate,
+                                         drafter_name):
+  sampling = SETTINGS[setting]
+  kwargs = {}
+  if mode != "ar":
+    make = {"perturbed": lambda: drafter_fixtures.perturbed(tiny, noise_scale=2.0, seed=5),
+            "random": lambda: drafter_fixtures.random_drafter(tiny, seed=6)}[drafter_name]
+    kwargs = dict(drafter=make(), block_size=gamma, max_stages=max_stages, gate=gate)
+  out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode=mode, sampling=sampling,
+                 seed=11, **kwargs)
+  samples = [tuple(t) for t in out.tokens]
+  pvalue, stat = chi_square_pvalue(samples, exact[setting])
+  assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e}"
+  if mode != "ar":
+    assert out.total.drafted > 0
+
+
+def test_chi_square_detects_a_modest_shift(tiny, exact):
+  """Power check: exact target samples fail against temperature 0.85 instead of 1."""
+  sampling = SETTINGS["topk4_t1"]
+  out = generate(tiny, [PROMPT] * N, max_new_tokens=3, sampling=sampling, seed=12)
+  samples = [tuple(t) for t in out.tokens]
+  assert chi_square_pvalue(samples, exact["topk4_t1"])[0] > 1e-4
+  shifted = exact_distribution(tiny, PROMPT, SamplingConfig(temperature=0.85, top_k=4))
+  assert chi_square_pvalue(samples, shifted)[0] < 1e-6
+
+
+def test_sampling_is_reproducible(tiny):
+  sampling = SamplingConfig(temperature=1.0)
+  prompts = [[1, 2], [3, 4, 5]]
+  a = generate(tiny, prompts, max_new_tokens=12, sampling=sampling, seed=3)
+  b = generate(tiny, prompts, max_new_tokens=12, sampling=sampling, seed=3)
+  c = generate(tiny, prompts, max_new_tokens=12, sampling=sampling, seed=4)
+  assert a.tokens == b.tokens
+  assert a.tokens != c.tokens
+  d = drafter_fixtures.perturbed(tiny, noise_scale=1.0)
+  x = generate(tiny, prompts, max_new_tokens=12, sampling=sampling, seed=3, mode="dloop",
+               drafter=d, block_size=2)
+  y = generate(tiny, prompts, max_new_tokens=12, sampling=sampling, seed=3, mode="dloop",
+               drafter=d, block_size=2)
+  assert x.tokens == y.tokens
+
+
+def test_low_temperature_equals_greedy(tiny):
+  prompts = [[1, 2], [3, 4, 5, 6, 7]]
+  greedy = generate(tiny, prompts, max_new_tokens=16)
+  cold = generate(tiny, prompts, max_new_tokens=16, sampling=SamplingConfig(temperature=1e-5),
+                  seed=9)
+  assert cold.tokens == greedy.tokens
