@@ -1,0 +1,183 @@
+"""Logit parity of our Flax transformer with the PyTorch transformers reference.
+
+(a) Tiny random Llama / Qwen2 / Qwen3 models, loaded from HF directories
+    (single and sharded safetensors) and from GGUF files written the way
+    llama.cpp's converter writes them: max |diff| <= 1e-4.
+(b) The real default model (SmolLM2-135M-Instruct Q4_1 GGUF) against
+    transformers' own GGUF loading: max |diff| <= 2e-3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import model_fixtures
+from dloop_jax.models import load_target
+from dloop_jax.models.gguf_loader import load_gguf
+from dloop_jax.models.hf_loader import load_hf_dir
+from dloop_jax.models.transformer import Transformer
+
+torch.set_num_threads(2)
+
+TINY_TOL = 1e-4
+REAL_TOL = 2e-3
+
+
+def _flax_logits(model: Transformer, tokens: np.ndarray, *, split: int | None = None) -> np.ndarray:
+  """[B, T, V] logits of our forward through a KV cache.
+
+  With `split`, the first `split` tokens are a prefill and the rest a second
+  call against the filled cache, as in decoding.
+  """
+  b, t = tokens.shape
+  cache = model.init_cache(batch_size=b, capacity=t + 8)
+  chunks = [(0, t)] if split is None else [(0, split), (split, t)]
+  out = []
+  for start, end in chunks:
+    positions = jnp.arange(start, end)[None].repeat(b, 0)
+    result = model(jnp.asarray(tokens[:, start:end]), positions=positions, cache=cache)
+    cache = result.cache
+    out.append(np.asarray(result.logits))
+  assert int(cache.lengths[0]) == t
+  return np.concatenate(out, axis=1)
+
+
+def _tokens(vocab: int, *, batch: int = 2, length: int = 13, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, size=(batch, length), dtype=np.int32)
+
+
+@pytest.mark.parametrize("kind", sorted(model_fixtures.TINY_CONFIGS))
+def test_hf_dir_parity(kind, tmp_path):
+  reference = model_fixtures.tiny_hf_model(kind)
+  path = model_fixtures.save_hf(reference, str(tmp_path / kind))
+  config, params = load_hf_dir(path)
+  assert config.tie_embeddings == reference.config.tie_word_embeddings
+  assert ("lm_head" in params) != config.tie_embeddings
+  model = Transformer.from_params(config, params)
+  tokens = _tokens(config.vocab_size)
+  expected = model_fixtures.torch_logits(reference, tokens)
+  np.testing.assert_allclose(_flax_logits(model, tokens), expected, atol=TINY_TOL, rtol=0)
+  np.testing.assert_allclose(_flax_logits(model, tokens, split=8), expected, atol=TINY_TOL, rtol=0)
+
+
+def test_llama3_rope_scaling_is_read(tmp_path):
+  # Logits at short positions barely feel the scaled low frequencies, so check
+  # the parsed config too (transformers 5 writes it under `rope_parameters`).
+  reference = model_fixtures.tiny_hf_model("llama_untied_llama3_rope")
+  config, _ = load_hf_dir(model_fixtures.save_hf(reference, str(tmp_path / "m")))
+  assert config.rope_scaling is not None
+  assert config.rope_scaling.factor == 8.0
+  assert config.rope_scaling.original_max_position_embeddings == 16
+
+
+def test_sharded_hf_dir_parity(tmp_path):
+  reference = model_fixtures.tiny_hf_model("qwen2_untied", seed=3)
+  path = model_fixtures.save_hf(reference, str(tmp_path / "sharded"), max_shard_size="40KB")
+  assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+  assert not os.path.exists(os.path.join(path, "model.safetensors"))
+  config, params = load_hf_dir(path)
+  model = Transformer.from_params(config, params)
+  tokens = _tokens(config.vocab_size, seed=1)
+  np.testing.assert_allclose(
+      _flax_logits(model, tokens), model_fixtures.torch_logits(reference, tokens),
+      atol=TINY_TOL, rtol=0)
+
+
+def test_hf_dir_bf16_checkpoint(tmp_path):
+  # bf16 safetensors cannot be read by safetensors' numpy framework.
+  reference = model_fixtures.tiny_hf_model("llama_tied", seed=4).to(torch.bfloat16)
+  path = model_fixtures.save_hf(reference, str(tmp_path / "bf16"))
+  config, params = load_hf_dir(path)
+  model = Transformer.from_params(config, params)
+  tokens = _tokens(config.vocab_size, seed=2)
+  # The reference runs in f32 on the same bf16-rounded weights, reloaded so
+  # that its RoPE buffers are recomputed in f32 (`.float()` would keep them bf16).
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=torch.float32, attn_implementation="eager").eval()
+  expected = model_fixtures.torch_logits(reference, tokens)
+  np.testing.assert_allclose(_flax_logits(model, tokens), expected, atol=TINY_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2_untied", "qwen3_tied"])
+def test_gguf_parity(kind, tmp_path):
+  reference = model_fixtures.tiny_hf_model(kind, seed=5)
+  path = model_fixtures.write_gguf(reference, str(tmp_path / f"{kind}.gguf"))
+  config, params = load_gguf(path)
+  assert config.family == reference.config.model_type
+  assert config.tie_embeddings == reference.config.tie_word_embeddings
+  model = Transformer.from_params(config, params)
+  tokens = _tokens(config.vocab_size, seed=3)
+  np.testing.assert_allclose(
+      _flax_logits(model, tokens, split=5), model_fixtures.torch_logits(reference, tokens),
+      atol=TINY_TOL, rtol=0)
+
+
+def test_gguf_llama3_rope_factors(tmp_path):
+  # llama.cpp stores Llama-3 scaling as a `rope_freqs` tensor; with the usual
+  # Llama 3.1 parameters the loader recovers them.
+  overrides = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=8192))
+  config_cls, base = model_fixtures.TINY_CONFIGS["llama_tied"]
+  hf_config = config_cls(**{**model_fixtures._BASE, **base, **overrides, "rope_theta": 500000.0})
+  reference = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+  factors = model_fixtures._llama3_rope_factors(reference.config)
+  assert 1.0 < factors.max() and factors.min() == 1.0  # all three bands present
+  path = model_fixtures.write_gguf(reference, str(tmp_path / "l3.gguf"), rope_factors=factors)
+  config, _ = load_gguf(path)
+  assert config.rope_scaling is not None and config.rope_scaling.factor == 8.0
+  assert config.rope_scaling.original_max_position_embeddings == 8192
+
+
+# --------------------------------------------------------------- real model
+REAL_PROMPTS = [
+    [{"role": "user", "content": "Explain in two short paragraphs why the sky looks blue during"
+                                 " the day and red at sunset, with one concrete example."}],
+    [{"role": "system", "content": "You are a careful Python programmer."},
+     {"role": "user", "content": "Write a function `primes(n: int) -> list[int]` that returns"
+                                 " all primes below n using a sieve, and explain its cost."}],
+]
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+  """(our LoadedTarget, transformers' model from the same GGUF), loaded once."""
+  target = load_target("smollm2-135m-instruct")
+  folder, name = os.path.split(target.source)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
+  return target, reference
+
+
+@pytest.mark.real_model
+def test_real_gguf_parity(real_pair):
+  target, reference = real_pair
+  prompts = [target.tokenizer.apply_chat_template(m) for m in REAL_PROMPTS]
+  length = min(len(p) for p in prompts)
+  assert length >= 40
+  tokens = np.asarray([p[:length] for p in prompts], np.int32)
+  expected = model_fixtures.torch_logits(reference, tokens)
+  got = _flax_logits(target.model, tokens, split=length - 9)
+  diff = float(np.max(np.abs(got - expected)))
+  print(f"real GGUF max |logit diff| = {diff:.2e} over {tokens.shape}")
+  assert diff <= REAL_TOL
+  # Same greedy next token everywhere except at near-ties.
+  agree = (got.argmax(-1) == expected.argmax(-1)).mean()
+  assert agree > 0.97
+
+
+@pytest.mark.real_model
+def test_real_gguf_config(real_pair):
+  target, reference = real_pair
+  c, hf = target.config, reference.config
+  assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (
+      hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+      hf.intermediate_size)
+  assert c.vocab_size == hf.vocab_size == 49152
+  assert c.tie_embeddings and c.rope_theta == 100000.0
+  assert target.tokenizer.eos_token_id in c.eos_token_ids
