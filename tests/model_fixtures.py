@@ -61,7 +61,8 @@ def tiny_hf_model(kind: str, *, seed: int = 0) -> transformers.PreTrainedModel:
   return model.eval()
 
 
-def save_hf(model: transformers.PreTrainedModel, path: str, *, max_shard_size: str | None = None) -> str:
+def save_hf(model: transformers.PreTrainedModel, path: str, *,
+            max_shard_size: str | None = None) -> str:
   """`save_pretrained` as safetensors (sharded when `max_shard_size` is given)."""
   kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
   model.save_pretrained(path, **kwargs)
@@ -76,7 +77,8 @@ def torch_logits(model: transformers.PreTrainedModel, tokens: np.ndarray) -> np.
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
   """`convert_hf_to_gguf.py`'s `LlamaModel.permute`: rotate_half -> interleaved pairs."""
-  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  half = w.shape[0] // n_head // 2
+  return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _llama3_rope_factors(config) -> np.ndarray:
@@ -94,7 +96,8 @@ def _llama3_rope_factors(config) -> np.ndarray:
     elif wavelen > low_wavelen:
       factors.append(rs["factor"])
     else:
-      smooth = (old / wavelen - rs["low_freq_factor"]) / (rs["high_freq_factor"] - rs["low_freq_factor"])
+      low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+      smooth = (old / wavelen - low) / (high - low)
       factors.append(1 / ((1 - smooth) / rs["factor"] + smooth))
   return np.asarray(factors, np.float32)
 
@@ -131,9 +134,12 @@ def write_gguf(model: transformers.PreTrainedModel, path: str, *, arch: str | No
   if c.model_type == "llama":
     w.add_rope_dimension_count(head_dim)
   w.add_tokenizer_model("gpt2")
+  # Byte-level tokens; with scores and no merges, transformers derives the merges.
   w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+  w.add_token_scores([0.0] * c.vocab_size)
   w.add_bos_token_id(c.bos_token_id)
   w.add_eos_token_id(c.eos_token_id)
+  w.add_unk_token_id(0)
 
   permute = c.model_type == "llama"
   sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}

@@ -134,6 +134,19 @@ def test_gguf_llama3_rope_factors(tmp_path):
   assert config.rope_scaling.original_max_position_embeddings == 8192
 
 
+def test_load_target_bf16(tmp_path):
+  reference = model_fixtures.tiny_hf_model("qwen3_tied", seed=6)
+  tokens = _tokens(reference.config.vocab_size, seed=4)
+  expected = model_fixtures.torch_logits(reference, tokens)
+  for source in (model_fixtures.save_hf(reference, str(tmp_path / "hf")),
+                 model_fixtures.write_gguf(reference, str(tmp_path / "m.gguf"))):
+    target = load_target(source, dtype=jnp.bfloat16)
+    assert target.model.layers.wqkv[...].dtype == jnp.bfloat16
+    # bf16 weights and activations: only a loose match is expected.
+    assert np.max(np.abs(_flax_logits(target.model, tokens) - expected)) < 0.25
+  assert target.tokenizer is not None and target.name == "m"
+
+
 # --------------------------------------------------------------- real model
 REAL_PROMPTS = [
     [{"role": "user", "content": "Explain in two short paragraphs why the sky looks blue during"

@@ -23,6 +23,7 @@ import numpy as np
 
 from dloop_jax.errors import ModelLoadError
 from dloop_jax.models.config import RopeScaling, TransformerConfig
+from dloop_jax.models.hf_loader import layer_slots
 from dloop_jax.models.transformer import param_shapes
 
 # `general.architecture` -> our family.
@@ -30,7 +31,7 @@ _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
 # Architectures whose q/k rows llama.cpp's converter permutes.
 _PERMUTED = frozenset({"llama", "mistral"})
 
-# GGUF per-block tensor name -> role in our layout.
+# GGUF per-block tensor name -> role (see `hf_loader.layer_slots`).
 _BLOCK_TENSORS = {
     "attn_norm.weight": "attn_norm",
     "attn_q.weight": "wq",
@@ -70,7 +71,8 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
   """Opens a GGUF file, turning every way it can be unreadable into a `ModelLoadError`."""
   path = os.fspath(path)
   if not os.path.exists(path):
-    raise ModelLoadError(f"GGUF file {path!r} does not exist. Check the path (or use a registry name).")
+    raise ModelLoadError(
+        f"GGUF file {path!r} does not exist. Check the path (or use a registry name).")
   if not os.path.isfile(path):
     raise ModelLoadError(f"{path!r} is not a file; a GGUF checkpoint is a single .gguf file.")
   with open(path, "rb") as f:
@@ -84,7 +86,8 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
   except Exception as e:  # the reader raises ValueError, IndexError, ... on bad bytes
     raise ModelLoadError(
         f"GGUF file {path!r} ({os.path.getsize(path)} bytes) is truncated or corrupt: the reader"
-        f" failed with {type(e).__name__}: {e}. Re-download or re-copy the file.") from e
+        f" failed with {type(e).__name__}: {str(e).rstrip('.')}. Re-download or re-copy the"
+        " file.") from e
   # The reader slices tensors out of a memory map, which silently shortens a
   # slice past the end of the file; check the sizes ourselves.
   size = os.path.getsize(path)
@@ -104,7 +107,8 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
   try:
     return field.contents()
   except Exception as e:
-    raise ModelLoadError(f"GGUF metadata field {key!r} is corrupt ({type(e).__name__}: {e}).") from e
+    raise ModelLoadError(
+        f"GGUF metadata field {key!r} is corrupt ({type(e).__name__}: {e}).") from e
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -157,7 +161,8 @@ def config_from_gguf(reader: gguf.GGUFReader, *, name: str = "",
   def key(suffix: str, default: Any = None, *, required: bool = False) -> Any:
     value = _field(reader, f"{arch}.{suffix}", default)
     if required and value is None:
-      raise ModelLoadError(f"GGUF metadata lacks {arch}.{suffix}; the file is incomplete or corrupt.")
+      raise ModelLoadError(
+          f"GGUF metadata lacks {arch}.{suffix}; the file is incomplete or corrupt.")
     return value
 
   hidden = int(key("embedding_length", required=True))
@@ -170,14 +175,16 @@ def config_from_gguf(reader: gguf.GGUFReader, *, name: str = "",
   head_dim = int(key("attention.key_length", hidden // num_heads))
   rope_dim = key("rope.dimension_count")
   if rope_dim is not None and int(rope_dim) != head_dim:
-    raise ModelLoadError(f"Partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported.")
+    raise ModelLoadError(
+        f"Partial rotary embeddings (rope dim {rope_dim}, head dim {head_dim}) are not supported.")
   scaling_type = key("rope.scaling.type")
   if scaling_type not in (None, "none"):
     raise ModelLoadError(f"GGUF RoPE scaling type {scaling_type!r} is not supported.")
 
   embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
   if embed is None or len(embed.shape) != 2:
-    raise ModelLoadError("GGUF has no 2-D token_embd.weight tensor; the file is incomplete or corrupt.")
+    raise ModelLoadError(
+        "GGUF has no 2-D token_embd.weight tensor; the file is incomplete or corrupt.")
   # The embedding (ggml order [D, V]) decides the model's vocabulary, which can
   # be padded past the tokenizer's.
   vocab_size = int(embed.shape[1])
@@ -208,7 +215,8 @@ def config_from_gguf(reader: gguf.GGUFReader, *, name: str = "",
       name=name or str(_field(reader, "general.name", "")),
   )
   if family == "qwen3" and not config.qk_norm:
-    raise ModelLoadError("Qwen3 GGUF without attn_q_norm / attn_k_norm tensors; the file is incomplete.")
+    raise ModelLoadError(
+        "Qwen3 GGUF without attn_q_norm / attn_k_norm tensors; the file is incomplete.")
   return config
 
 
@@ -221,7 +229,8 @@ def _dequantize(tensor: Any) -> np.ndarray:
         f"GGUF tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, which the gguf"
         f" package cannot dequantize ({e}). Use another quantization of the model.") from e
   except Exception as e:
-    raise ModelLoadError(f"GGUF tensor {tensor.name!r} is corrupt ({type(e).__name__}: {e}).") from e
+    raise ModelLoadError(
+        f"GGUF tensor {tensor.name!r} is corrupt ({type(e).__name__}: {e}).") from e
   # F32 / F16 tensors come back as views of the memory map; the caller copies.
   return np.asarray(values, dtype=np.float32)
 
@@ -294,24 +303,8 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, name: str = "",
   params = {name: np.empty(shape, np_dtype) for name, shape in param_shapes(c).items()}
   permuted = arch in _PERMUTED
   heads = {"wq": c.num_heads, "bq": c.num_heads, "wk": c.num_kv_heads, "bk": c.num_kv_heads}
-  q, kv, f = c.q_size, c.kv_size, c.intermediate_size
-  # role -> (param, column slice); matrices are [out, in] in the file, [in, out] here.
-  slots = {
-      "attn_norm": ("layers.attn_norm", None),
-      "wq": ("layers.wqkv", slice(0, q)),
-      "wk": ("layers.wqkv", slice(q, q + kv)),
-      "wv": ("layers.wqkv", slice(q + kv, q + 2 * kv)),
-      "bq": ("layers.bqkv", slice(0, q)),
-      "bk": ("layers.bqkv", slice(q, q + kv)),
-      "bv": ("layers.bqkv", slice(q + kv, q + 2 * kv)),
-      "q_norm": ("layers.q_norm", None),
-      "k_norm": ("layers.k_norm", None),
-      "wo": ("layers.wo", None),
-      "mlp_norm": ("layers.mlp_norm", None),
-      "w_gate": ("layers.w_gate_up", slice(0, f)),
-      "w_up": ("layers.w_gate_up", slice(f, 2 * f)),
-      "w_down": ("layers.w_down", None),
-  }
+  # Matrices are [out, in] in the file, [in, out] here.
+  slots = layer_slots(c)
   for index, layer in enumerate(per_layer):
     for role, tensor in layer.items():
       value = _dequantize(tensor)
@@ -325,7 +318,8 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, name: str = "",
         target = target[..., columns]
       _assign(target, value, tensor.name, path)
   _assign(params["embed"], _dequantize(tensors["token_embd.weight"]), "token_embd.weight", path)
-  _assign(params["final_norm"], _dequantize(tensors["output_norm.weight"]), "output_norm.weight", path)
+  _assign(params["final_norm"], _dequantize(tensors["output_norm.weight"]), "output_norm.weight",
+          path)
   if not c.tie_embeddings:
     _assign(params["lm_head"], _dequantize(tensors["output.weight"]).T, "output.weight", path)
   return config, params

@@ -23,8 +23,7 @@ from dloop_jax.models.transformer import param_shapes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-# HF per-layer leaf name -> (our parameter, role). Roles fix the column block
-# inside fused parameters (see `_slots`).
+# HF per-layer leaf name -> role (see `layer_slots`).
 _LAYER_PARAMS = {
     "input_layernorm.weight": "attn_norm",
     "self_attn.q_proj.weight": "wq",
@@ -48,8 +47,12 @@ _TOP_PARAMS = {
 }
 
 
-def _slots(config: TransformerConfig) -> dict[str, tuple[str, slice | None]]:
-  """Role -> (our parameter, column slice within it or None for the whole)."""
+def layer_slots(config: TransformerConfig) -> dict[str, tuple[str, slice | None]]:
+  """Per-layer role -> (our stacked parameter, column slice within it, or None).
+
+  Shared by the HF and GGUF loaders: roles name the unfused HF / GGUF
+  tensors, slices place them in the fused `wqkv`, `bqkv` and `w_gate_up`.
+  """
   q, kv, f = config.q_size, config.kv_size, config.intermediate_size
   return {
       "attn_norm": ("layers.attn_norm", None),
@@ -73,7 +76,8 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   """The `config.json` of a checkpoint directory, merged with `generation_config.json` stop ids."""
   path = os.fspath(path)
   if not os.path.isdir(path):
-    raise ModelLoadError(f"{path!r} is not a directory; expected a Hugging Face checkpoint directory.")
+    raise ModelLoadError(
+        f"{path!r} is not a directory; expected a Hugging Face checkpoint directory.")
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise ModelLoadError(
@@ -182,7 +186,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype=jnp.float32,
   np_dtype = np.dtype(dtype)
   shapes = param_shapes(c)
   params = {n: np.empty(shape, np_dtype) for n, shape in shapes.items()}
-  slots = _slots(c)
+  slots = layer_slots(c)
   filled: set[tuple[str, int]] = set()
   unexpected = []
   for hf_name, value in _iter_tensors(files):
@@ -208,12 +212,13 @@ def load_hf_dir(path: str | os.PathLike, *, dtype=jnp.float32,
       unexpected.append(hf_name)
       continue
     # HF matrices are [out, in] (embeddings [V, D] already match ours).
-    value = value.T if value.ndim == 2 and param != "embed" else value
-    if value.shape != target.shape:
+    transposed = value.ndim == 2 and param != "embed"
+    expected = tuple(reversed(target.shape)) if transposed else target.shape
+    if value.shape != expected:
       raise ModelLoadError(
-          f"Weight {hf_name!r} in {path!r} has shape {value.T.shape if value.ndim == 2 else value.shape},"
-          " which does not match config.json; the weights belong to another config.")
-    target[...] = value
+          f"Weight {hf_name!r} in {path!r} has shape {value.shape}, config.json implies"
+          f" {expected}: it does not match config.json (the weights belong to another config).")
+    target[...] = value.T if transposed else value
     filled.add(key)
   if unexpected:
     raise ModelLoadError(
@@ -221,7 +226,8 @@ def load_hf_dir(path: str | os.PathLike, *, dtype=jnp.float32,
         f"{' ...' if len(unexpected) > 8 else ''}. The model uses features we do not support"
         " (e.g. output-projection or MLP biases).")
   needed = {(p, -1) for p in ("embed", "final_norm", "lm_head") if p in params}
-  needed |= {(role, i) for role, (p, _) in slots.items() if p in params for i in range(c.num_layers)}
+  needed |= {(role, i) for role, (p, _) in slots.items() if p in params
+             for i in range(c.num_layers)}
   missing = needed - filled
   if missing:
     names = sorted(f"{r}[layer {i}]" if i >= 0 else r for r, i in missing)

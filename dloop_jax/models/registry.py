@@ -136,5 +136,13 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32
     reader = open_gguf(path)
     config, params = load_gguf(path, dtype=dtype, name=name, reader=reader)
     tokenizer = Tokenizer.from_gguf(path, reader=reader, extra_stop_token_ids=config.eos_token_ids)
+  # Base vocabulary only: transformers' GGUF byte-level tokenizers add an
+  # `<|endoftext|>` the file may lack (Llama 3), one id past the embedding.
+  base_vocab = tokenizer.hf.backend_tokenizer.get_vocab_size(with_added_tokens=False) if (
+      tokenizer is not None) else 0
+  if base_vocab > config.vocab_size:
+    raise ModelLoadError(
+        f"The tokenizer in {path!r} has {base_vocab} tokens but the model's vocabulary only"
+        f" {config.vocab_size}; they do not belong to the same model.")
   model = Transformer.from_params(config, params, dtype=dtype, source=path)
   return LoadedTarget(model=model, config=config, tokenizer=tokenizer, source=path, name=name)

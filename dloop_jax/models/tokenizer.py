@@ -58,7 +58,8 @@ class Tokenizer:
     try:
       hf = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises OSError / ValueError / ... here
-      raise ModelLoadError(f"Could not load the tokenizer in {path!r}: {type(e).__name__}: {e}") from e
+      raise ModelLoadError(
+          f"Could not load the tokenizer in {path!r}: {type(e).__name__}: {e}") from e
     return cls(hf, extra_stop_token_ids=extra_stop_token_ids, source=path)
 
   @classmethod
@@ -84,8 +85,10 @@ class Tokenizer:
       raise ModelLoadError(f"GGUF {path!r} has no tokenizer.ggml.tokens; it carries no tokenizer.")
     try:
       backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    except ValueError as e:
-      raise ModelLoadError(f"Cannot build the tokenizer of GGUF {path!r}: {e}") from e
+    except Exception as e:  # ValueError for unknown types, KeyError for missing fields
+      raise ModelLoadError(
+          f"Cannot build the tokenizer of GGUF {path!r} ({type(e).__name__}: {e}); its tokenizer"
+          " metadata is incomplete or of an unsupported kind.") from e
     # The keyword arguments `AutoTokenizer.from_pretrained(..., gguf_file=)`
     # passes too: special tokens by string, add_bos/add_eos flags, chat template.
     hf = transformers.PreTrainedTokenizerFast(
@@ -155,7 +158,8 @@ class Tokenizer:
     return out if isinstance(out, str) else [int(i) for i in out]
 
   def __repr__(self) -> str:
-    return f"Tokenizer(vocab={self.vocab_size}, stops={self.stop_token_ids}, source={self.source!r})"
+    return (f"Tokenizer(vocab={self.vocab_size}, stops={self.stop_token_ids},"
+            f" source={self.source!r})")
 
 
 def gguf_tokenizer_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -174,7 +178,8 @@ def gguf_tokenizer_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str,
     try:
       return field.contents()
     except Exception as e:
-      raise ModelLoadError(f"GGUF metadata field {key!r} is corrupt ({type(e).__name__}: {e}).") from e
+      raise ModelLoadError(
+          f"GGUF metadata field {key!r} is corrupt ({type(e).__name__}: {e}).") from e
 
   groups = {}
   for group, renames in GGUF_TOKENIZER_MAPPING.items():
