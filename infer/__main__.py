@@ -69,6 +69,9 @@ def main(argv=None) -> int:
           f"mode {mode!r} needs a drafter, and no drafter is available for target"
           f" {target.name!r} yet; pass --drafter PATH (an exported drafter, see docs/training.md)"
           " or use --mode ar.")
+    if tok is None:
+      raise DLoopError(f"Target {target.name!r} has no tokenizer files; add them to the model"
+                       " directory (tokenizer.json / tokenizer_config.json).")
     stop = list(tok.stop_token_ids) if tok is not None else list(target.config.eos_token_ids)
     for text in prompts:
       if args.raw or tok is None or not tok.has_chat_template:
