@@ -29,17 +29,34 @@ steps; parallel drafters (block / DFlash-style) in one forward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
 from flax import struct
 
-from dloop_jax.decoding.sampling import SamplingConfig
 from dloop_jax.errors import DrafterMismatchError
 from dloop_jax.models.config import TransformerConfig
 
+if TYPE_CHECKING:
+  # Annotation only: importing `dloop_jax.decoding` here would close an import
+  # cycle (its engine imports this module).
+  from dloop_jax.decoding.sampling import SamplingConfig
+
 DrafterState = Any  # a pytree of arrays
+
+
+class Frozen(nnx.Variable):
+  """A weight shared with the target (its embedding, LM head): never trained.
+
+  Not an `nnx.Param`, so `nnx.split(drafter, nnx.Param, ...)` and optimizers
+  built over `nnx.Param` leave it alone, and drafter exports do not store it
+  (loading takes it from the target again).
+  """
+
+
+class VocabMap(nnx.Variable):
+  """An integer vocabulary map (draft <-> target ids): stored, never trained."""
 
 
 @struct.dataclass

@@ -1,0 +1,345 @@
+"""DFlash-style block drafter (parallel): one forward drafts a whole block.
+
+Context. For every committed position j the target's tapped hidden states are
+fused into one context vector
+
+    c_j = RMSNorm(fc(concat of the taps at j))                          [D]
+
+and every drafter layer l turns it into an extra key/value pair
+(k_l(c_j) with RoPE at j, v_l(c_j)): the context is never a query, so its
+keys/values are computed once, at commit, and cached in the drafter state.
+
+Query block. After committing x_0 .. x_n (x_n = the pending token, which the
+target has not read, so it has no context vector), a stage feeds
+
+    position   n        n+1    ..  n+gamma
+    input      x_n      [M]    ..  [M]          ([M]: a learned mask embedding)
+    output     -        d_1    ..  d_gamma      (final norm + the target's LM head)
+
+through N decoder layers. The block attends to itself bidirectionally and to the
+context of positions < n: the anchor x_n sits at position n, right after the
+last context position, as in DFlash (`dflash_generate`: the block starts at
+`start`, the context covers `[.., start)`). With n = 3 and gamma = 2:
+
+    key:          c_0 c_1 c_2 | x_3 M_4 M_5
+    query x_3     x   x   x   | x   x   x
+    query M_4     x   x   x   | x   x   x
+    query M_5     x   x   x   | x   x   x
+
+DLoop stages. The next stage's anchor is this stage's last draft d_gamma at
+position n + gamma, and it needs context at the unverified positions
+n .. n + gamma - 1, where there are no target features. There the drafter's own
+hidden states stand in, aligned by what they predict: the target feature at j
+predicts x_{j+1}, and so does the block output at position j + 1, so
+
+    c_j (stand-in) = RMSNorm(h_{j+1}),   j = n .. n + gamma - 1
+
+with h the last layer's output (before the final norm) and the same RMSNorm
+(weights) as the target context: as in EAGLE-3, the drafter's own state
+replaces fc's output directly, and no parameter is added. Loop-aware training
+(`dloop_jax.training.objectives`) teaches the layers to read these. Verification
+then overwrites the stand-ins of accepted positions with target context
+(`commit` rolls back to `starts`).
+
+The token embedding and the LM head are the target's (frozen). With a
+`draft_vocab_size` the head is restricted to the draft vocabulary's columns.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+
+from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.drafters import layers
+from dloop_jax.drafters import vocab as vocab_lib
+from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, VocabMap
+from dloop_jax.drafters.spec import DrafterSpec
+from dloop_jax.errors import ConfigError
+from dloop_jax.models import kv_cache as kv_lib
+from dloop_jax.models import rope as rope_lib
+from dloop_jax.models.transformer import Transformer, rms_norm
+
+
+@struct.dataclass
+class BlockState:
+  """Block drafter decoding state.
+
+  Attributes:
+    k: [L, B, C, K, H] context keys of every drafter layer (RoPE applied).
+    v: [L, B, C, K, H] context values.
+    lengths: [B] context positions held (target context, then stand-ins).
+    anchor: [B] token at position `lengths`: the next block's first input.
+    committed_anchor: [B] `anchor` after the last commit (restored for rows a
+      commit leaves unchanged).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+  anchor: jax.Array
+  committed_anchor: jax.Array
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates x [..., heads, H] by angles [..., H] (any leading dims, broadcast)."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
+
+
+class BlockDrafter(Drafter):
+  """N decoder layers drafting [anchor, mask x gamma] against cached target context."""
+
+  def __init__(self, spec: DrafterSpec, *, target: Transformer, rngs: nnx.Rngs):
+    c = target.config
+    d, dtype, nl = c.hidden_size, target.dtype, spec.num_layers
+    self.spec = spec
+    self.kind = "parallel"
+    self.taps = tuple(spec.taps)
+    self.block_size = spec.block_size
+    self.target_fingerprint = tuple(sorted(c.fingerprint.items()))
+    self.name = "block"
+    self.vocab_size = c.vocab_size
+    self.eps = c.rms_norm_eps
+    self.target_config = c
+    self.reduced_vocab = 0 < spec.draft_vocab_size < c.vocab_size
+
+    n_taps = len(spec.taps)
+    self.fc = nnx.Param(layers.init_weight(rngs, (n_taps * d, d), fan_in=n_taps * d, dtype=dtype))
+    self.ctx_norm = nnx.Param(jnp.ones((d,), dtype))
+    self.mask_embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d,), dtype))
+    self.attn_norm = nnx.Param(jnp.ones((nl, d), dtype))
+    self.wqkv = nnx.Param(layers.init_weight(
+        rngs, (nl, d, spec.q_size + 2 * spec.kv_size), fan_in=d, dtype=dtype))
+    self.q_norm = nnx.Param(jnp.ones((nl, spec.head_dim), dtype)) if spec.qk_norm else None
+    self.k_norm = nnx.Param(jnp.ones((nl, spec.head_dim), dtype)) if spec.qk_norm else None
+    self.wo = nnx.Param(layers.init_weight(rngs, (nl, spec.q_size, d), fan_in=spec.q_size,
+                                           dtype=dtype, scale=0.5))
+    self.mlp_norm = nnx.Param(jnp.ones((nl, d), dtype))
+    self.w_gate_up = nnx.Param(layers.init_weight(
+        rngs, (nl, d, 2 * spec.intermediate_size), fan_in=d, dtype=dtype))
+    self.w_down = nnx.Param(layers.init_weight(
+        rngs, (nl, spec.intermediate_size, d), fan_in=spec.intermediate_size, dtype=dtype,
+        scale=0.5))
+    self.final_norm = nnx.Param(jnp.asarray(target.final_norm[...], dtype))
+    self.embed = Frozen(target.embed[...])
+    self.lm_head = None if target.lm_head is None else Frozen(target.lm_head[...])
+    if self.reduced_vocab:
+      d2t, t2d = vocab_lib.identity_vocab(spec.draft_vocab_size, c.vocab_size)
+      self.d2t = VocabMap(jnp.asarray(d2t))
+      self.t2d = VocabMap(jnp.asarray(t2d))
+    else:
+      self.d2t = self.t2d = None
+
+  def set_draft_vocab(self, d2t: np.ndarray, *, target: Transformer | None = None) -> None:
+    """Uses draft vocabulary `d2t` (`draft_vocab_from_counts`); the head is the target's."""
+    del target  # the head columns are gathered from the frozen head at run time
+    if not self.reduced_vocab:
+      raise ConfigError("This drafter predicts over the full vocabulary"
+                        " (draft_vocab_size=0); build it with a draft_vocab_size.")
+    d2t = np.asarray(d2t, np.int32)
+    if d2t.shape != (self.spec.draft_vocab_size,):
+      raise ConfigError(f"d2t must have shape ({self.spec.draft_vocab_size},), got {d2t.shape}.")
+    t2d = np.full((self.vocab_size,), -1, np.int32)
+    t2d[d2t] = np.arange(d2t.size, dtype=np.int32)
+    self.d2t = VocabMap(jnp.asarray(d2t))
+    self.t2d = VocabMap(jnp.asarray(t2d))
+
+  def drafter_config(self) -> dict:
+    return self.spec.to_dict()
+
+  def max_block_size(self) -> int | None:
+    return self.block_size
+
+  # ------------------------------------------------------------------ pieces
+  def context(self, features: jax.Array) -> jax.Array:
+    """Target taps [..., n_taps, D] -> context vectors [..., D]."""
+    x = features.astype(self.fc[...].dtype)
+    return self.stand_in(x.reshape(x.shape[:-2] + (-1,)) @ self.fc[...])
+
+  def stand_in(self, hidden: jax.Array) -> jax.Array:
+    """Hidden [..., D] -> context vector: the RMSNorm every context goes through."""
+    return rms_norm(hidden, self.ctx_norm[...], self.eps)
+
+  def _angles(self, positions: jax.Array):
+    inv = layers.inverse_frequencies(self.target_config, self.spec.head_dim)
+    return rope_lib.rope_angles(positions, inv)
+
+  def context_kv(self, ctx: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Context vectors [..., D] at `positions` [...] -> keys, values [L, ..., K, H]."""
+    s = self.spec
+    w = self.wqkv[...]
+    k = jnp.einsum("...d,lde->l...e", ctx, w[..., s.q_size:s.q_size + s.kv_size])
+    v = jnp.einsum("...d,lde->l...e", ctx, w[..., s.q_size + s.kv_size:])
+    k = k.reshape(k.shape[:-1] + (s.num_kv_heads, s.head_dim))
+    v = v.reshape(v.shape[:-1] + (s.num_kv_heads, s.head_dim))
+    if self.k_norm is not None:
+      scale = self.k_norm[...].reshape((s.num_layers,) + (1,) * (k.ndim - 2) + (s.head_dim,))
+      k = rms_norm(k, jnp.ones((s.head_dim,), k.dtype), self.eps) * scale.astype(k.dtype)
+    cos, sin = self._angles(positions)
+    return _rope(k, cos, sin), v
+
+  def _head(self) -> jax.Array:
+    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    return head if self.d2t is None else head[:, self.d2t[...]]
+
+  def draft_logits(self, hidden: jax.Array) -> jax.Array:
+    """Block outputs [..., D] -> f32 logits over the draft vocabulary [..., Vd]."""
+    x = rms_norm(hidden, self.final_norm[...], self.eps)
+    return jnp.dot(x, self._head(), preferred_element_type=jnp.float32).astype(jnp.float32)
+
+  def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
+    return draft_ids if self.d2t is None else self.d2t[...][draft_ids]
+
+  def to_draft_ids(self, target_ids: jax.Array) -> jax.Array:
+    """Target ids -> draft ids (-1 outside the draft vocabulary)."""
+    return target_ids if self.t2d is None else self.t2d[...][target_ids]
+
+  def block_inputs(self, anchor: jax.Array, block_size: int) -> jax.Array:
+    """Anchor tokens [...] -> block inputs [..., 1 + gamma, D]: [embed(anchor), M x gamma]."""
+    emb = jnp.take(self.embed[...], anchor, axis=0).astype(self.mask_embed[...].dtype)
+    mask = jnp.broadcast_to(self.mask_embed[...], anchor.shape + (block_size, emb.shape[-1]))
+    return jnp.concatenate([emb[..., None, :], mask], axis=-2)
+
+  def run_blocks(self, x: jax.Array, *, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                 ctx_mask: jax.Array, own_k: jax.Array | None = None,
+                 own_v: jax.Array | None = None) -> jax.Array:
+    """The decoder layers over query blocks.
+
+    Args:
+      x: [B, A, Q, D] block inputs (A blocks of Q = 1 + gamma).
+      positions: [B, A, Q] RoPE positions.
+      ctx_k, ctx_v: [L, B, C, K, H] shared context keys / values.
+      ctx_mask: [B, A, C] context slots each block sees.
+      own_k, own_v: optional [L, B, A, P, K, H] extra private keys per block
+        (loop-aware training: the stand-in context of its earlier stages).
+
+    Returns:
+      [B, A, Q, D] last layer outputs (before the final norm).
+    """
+    s = self.spec
+    b, a, nq, _ = x.shape
+    cos, sin = self._angles(positions)
+    weights = {"attn_norm": self.attn_norm[...], "wqkv": self.wqkv[...], "wo": self.wo[...],
+               "mlp_norm": self.mlp_norm[...], "w_gate_up": self.w_gate_up[...],
+               "w_down": self.w_down[...]}
+    if self.q_norm is not None:
+      weights.update(q_norm=self.q_norm[...], k_norm=self.k_norm[...])
+    eps = self.eps
+
+    def layer(h, xs):
+      w, ck, cv, ok, ov = xs
+      qkv = rms_norm(h, w["attn_norm"], eps) @ w["wqkv"]
+      q = qkv[..., :s.q_size].reshape(b, a, nq, s.num_heads, s.head_dim)
+      k = qkv[..., s.q_size:s.q_size + s.kv_size].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
+      v = qkv[..., s.q_size + s.kv_size:].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
+      if "q_norm" in w:
+        q = rms_norm(q, w["q_norm"], eps)
+        k = rms_norm(k, w["k_norm"], eps)
+      q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+      if ok is not None:
+        k = jnp.concatenate([ok, k], axis=2)
+        v = jnp.concatenate([ov, v], axis=2)
+      out = layers.block_attention(q, ctx_k=ck, ctx_v=cv, ctx_mask=ctx_mask, own_k=k, own_v=v)
+      h = h + out @ w["wo"]
+      h = h + layers.swiglu(rms_norm(h, w["mlp_norm"], eps), w["w_gate_up"], w["w_down"])
+      return h, None
+
+    h, _ = jax.lax.scan(layer, x, (weights, ctx_k, ctx_v, own_k, own_v))
+    return h
+
+  # -------------------------------------------------------------- interface
+  def init_state(self, *, batch_size: int, capacity: int) -> BlockState:
+    s = self.spec
+    kv = jnp.zeros((s.num_layers, batch_size, capacity, s.num_kv_heads, s.head_dim),
+                   self.fc[...].dtype)
+    zeros = jnp.zeros((batch_size,), jnp.int32)
+    return BlockState(k=kv, v=kv, lengths=zeros, anchor=zeros, committed_anchor=zeros)
+
+  def _write_context(self, state: BlockState, ctx: jax.Array, starts: jax.Array) -> BlockState:
+    """Writes context vectors [B, W, D] at slots `starts + t` of every layer."""
+    positions = starts[:, None] + jnp.arange(ctx.shape[1])[None, :]
+    k, v = self.context_kv(ctx, positions)
+    write = jax.vmap(kv_lib.write_rows, in_axes=(0, 0, None))
+    return state.replace(k=write(state.k, k, starts), v=write(state.v, v, starts))
+
+  def commit(self, state, *, tokens, features, next_tokens, starts, counts):
+    del tokens
+    state = self._write_context(state, self.context(features), starts)
+    last = jnp.take_along_axis(next_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    anchor = jnp.where(counts > 0, last, state.committed_anchor).astype(jnp.int32)
+    return state.replace(lengths=(starts + counts).astype(jnp.int32), anchor=anchor,
+                         committed_anchor=anchor)
+
+  def draft_stage(self, state, *, key, block_size, sampling):
+    n = state.lengths
+    capacity = state.k.shape[2]
+    x = self.block_inputs(state.anchor, block_size)[:, None]  # [B, 1, 1 + gamma, D]
+    positions = (n[:, None] + jnp.arange(block_size + 1)[None, :])[:, None]
+    ctx_mask = (jnp.arange(capacity)[None, :] < n[:, None])[:, None]  # [B, 1, C]
+    h = self.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
+                        ctx_mask=ctx_mask)[:, 0, 1:]  # [B, gamma, D]
+    logits = self.draft_logits(h)
+    draft_ids = sampling_lib.next_token(key, logits, sampling)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), draft_ids[..., None],
+                                   axis=-1)[..., 0]
+    probs = None
+    if not sampling.greedy:
+      probs = sampling_lib.processed_probs(logits, sampling)
+      if self.d2t is not None:
+        probs = layers.scatter_to_vocab(probs, self.d2t[...], self.vocab_size)
+    tokens = self.to_target_ids(draft_ids).astype(jnp.int32)
+    # Stand-in context for the unverified positions n .. n + gamma - 1 (next stage).
+    state = self._write_context(state, self.stand_in(h), n)
+    state = state.replace(lengths=n + block_size, anchor=tokens[:, -1])
+    return state, DraftStage(tokens=tokens, logprobs=logprobs, probs=probs)
+
+  # --------------------------------------------------------------- training
+  def train_stages(self, *, tokens: jax.Array, features: jax.Array, positions: jax.Array,
+                   segment_ids: jax.Array, anchors: jax.Array, block_size: int,
+                   num_stages: int) -> list[jax.Array]:
+    """Block outputs of `num_stages` chained stages after each anchor (ground-truth anchors).
+
+    Stage s of anchor a reads token x_{a + s*gamma} and masks at positions
+    a + s*gamma + 1 .. a + (s+1)*gamma. It sees the target context of positions
+    < a in a's segment, and (s >= 1) the stand-in context of its own chain's
+    earlier stages at positions a .. a + s*gamma - 1, computed from those
+    stages' outputs exactly as `draft_stage` does at inference.
+
+    Args:
+      tokens: [B, T] int32.
+      features: [B, T, n_taps, D].
+      positions: [B, T] positions within each example.
+      segment_ids: [B, T].
+      anchors: [B, A] anchor indices into T.
+      block_size: gamma (static).
+      num_stages: stages per anchor (static).
+
+    Returns:
+      num_stages arrays [B, A, gamma, D]: outputs at the mask positions.
+    """
+    b, t = tokens.shape
+    ctx_k, ctx_v = self.context_kv(self.context(features), positions)  # [L, B, T, K, H]
+    seg_a = jnp.take_along_axis(segment_ids, anchors, axis=1)
+    ctx_mask = ((jnp.arange(t)[None, None, :] < anchors[..., None])
+                & (segment_ids[:, None, :] == seg_a[..., None]))  # [B, A, T]
+    pos_a = jnp.take_along_axis(positions, anchors, axis=1)  # [B, A]
+    own_k = own_v = None
+    outs = []
+    for s in range(num_stages):
+      offset = s * block_size
+      anchor_tok = jnp.take_along_axis(tokens, jnp.clip(anchors + offset, 0, t - 1), axis=1)
+      qpos = pos_a[..., None] + offset + jnp.arange(block_size + 1)
+      h = self.run_blocks(self.block_inputs(anchor_tok, block_size), positions=qpos,
+                          ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=ctx_mask, own_k=own_k,
+                          own_v=own_v)[:, :, 1:]
+      outs.append(h)
+      if s + 1 < num_stages:
+        k, v = self.context_kv(self.stand_in(h), qpos[..., :-1])  # [L, B, A, gamma, K, H]
+        own_k = k if own_k is None else jnp.concatenate([own_k, k], axis=3)
+        own_v = v if own_v is None else jnp.concatenate([own_v, v], axis=3)
+    return outs

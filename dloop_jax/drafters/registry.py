@@ -1,0 +1,143 @@
+"""Building drafters from plain configs: `default_drafter_config`, `build_drafter`.
+
+A drafter config is a flat dict (or ConfigDict):
+
+    kind               "eagle3" | "block"
+    block_size         gamma: drafts per stage (block: the most one forward drafts)
+    taps               target decoder layers read (default: low / middle / high)
+    num_layers         decoder layers (EAGLE-3: 1)
+    num_heads, num_kv_heads, head_dim, intermediate_size
+                       layer shape (default: the target's)
+    draft_vocab_size   reduced draft vocabulary (0 = the target's); EAGLE-3 by default
+                       on large vocabularies
+    qk_norm            per-head RMSNorm of q and k (default: on for block)
+
+`Drafter.drafter_config()` returns the resolved dict (every key), which rebuilds
+the same drafter.
+
+Sizing for the default target (SmolLM2-135M: 30 layers, D 576, 9 / 3 heads of
+64, MLP 1536, vocab 49152; ~134M weights read per token, LM head included):
+
+  EAGLE-3, draft vocab 8192: fc 1.0M (commit only), layer 4.1M, head 4.7M:
+    ~8.8M weights per drafting step, ~6.6 % of a target forward; a stage of
+    gamma = 4 reads ~26 %, 3 steps (the first draft of a round costs only the head).
+  block, 3 layers: 10.6M weights plus the frozen 28M head over gamma mask
+    positions, once per stage: ~29 % of a target forward in weights read, for
+    a whole block of 8 drafts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from dloop_jax.drafters import vocab as vocab_lib
+from dloop_jax.drafters.base import Drafter
+from dloop_jax.drafters.block import BlockDrafter
+from dloop_jax.drafters.eagle3 import Eagle3Drafter
+from dloop_jax.drafters.spec import KINDS, DrafterSpec
+from dloop_jax.errors import ConfigError
+from dloop_jax.models.config import TransformerConfig, default_taps
+
+# EAGLE-3 reduces vocabularies above this size to it (Llama-3: 128k -> 32k).
+DEFAULT_DRAFT_VOCAB = 8192
+_KEYS = ("kind", "block_size", "taps", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+         "intermediate_size", "draft_vocab_size", "qk_norm")
+
+
+def default_drafter_config(kind: str, target_config: TransformerConfig) -> dict[str, Any]:
+  """The default drafter of `kind` for a target (every key of the config)."""
+  c = target_config
+  common = dict(taps=list(default_taps(c.num_layers)), num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                intermediate_size=c.intermediate_size)
+  if kind == "eagle3":
+    vd = DEFAULT_DRAFT_VOCAB if c.vocab_size > DEFAULT_DRAFT_VOCAB else 0
+    return dict(kind="eagle3", block_size=4, num_layers=1, draft_vocab_size=vd, qk_norm=False,
+                **common)
+  if kind == "block":
+    # DFlash uses a handful of layers for 36-layer targets: ~1 per 10 target layers.
+    layers = max(1, min(5, c.num_layers // 10))
+    return dict(kind="block", block_size=8, num_layers=layers, draft_vocab_size=0, qk_norm=True,
+                **common)
+  raise ConfigError(f"Unknown drafter kind {kind!r}; expected one of {KINDS}.")
+
+
+def _plain(config: Any) -> dict[str, Any]:
+  if hasattr(config, "to_dict"):
+    config = config.to_dict()
+  if not isinstance(config, Mapping):
+    raise ConfigError(f"A drafter config is a dict, got {type(config).__name__}.")
+  return dict(config)
+
+
+def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerConfig) -> DrafterSpec:
+  """Fills defaults and validates a drafter config."""
+  given = _plain(config)
+  kind = given.get("kind")
+  if kind not in KINDS:
+    raise ConfigError(f"Drafter config needs kind in {KINDS}, got {kind!r}.")
+  unknown = sorted(set(given) - set(_KEYS))
+  if unknown:
+    hints = [difflib.get_close_matches(k, _KEYS, n=1) for k in unknown]
+    hint = "".join(f"; did you mean {h[0]!r} for {k!r}?" for k, h in zip(unknown, hints) if h)
+    raise ConfigError(f"Unknown drafter config keys {unknown}{hint} Known: {list(_KEYS)}.")
+  merged = default_drafter_config(kind, target_config)
+  merged.update({k: v for k, v in given.items() if v is not None})
+  taps = tuple(int(t) for t in merged["taps"])
+  bad = [t for t in taps if not 0 <= t < target_config.num_layers]
+  if not taps or bad:
+    raise ConfigError(f"taps must be non-empty target layer indices in [0,"
+                      f" {target_config.num_layers}); got {list(taps)}.")
+  for key in ("block_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size"):
+    value = merged[key]
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f"Drafter config {key} must be an int >= 1, got {value!r}.")
+  vd = merged["draft_vocab_size"]
+  if not isinstance(vd, (int, np.integer)) or not 0 <= vd <= target_config.vocab_size:
+    raise ConfigError(f"draft_vocab_size must be an int in [0, {target_config.vocab_size}]"
+                      f" (0 = the target's vocabulary), got {vd!r}.")
+  if merged["num_heads"] % merged["num_kv_heads"]:
+    raise ConfigError(f"num_heads ({merged['num_heads']}) must be a multiple of num_kv_heads"
+                      f" ({merged['num_kv_heads']}).")
+  if merged["head_dim"] % 2:
+    raise ConfigError(f"head_dim must be even (RoPE), got {merged['head_dim']}.")
+  if kind == "eagle3" and merged["num_layers"] != 1:
+    raise ConfigError(f"An EAGLE-3 drafter has one decoder layer; got num_layers="
+                      f"{merged['num_layers']}.")
+  return DrafterSpec(
+      kind=kind, block_size=int(merged["block_size"]), taps=taps,
+      num_layers=int(merged["num_layers"]), num_heads=int(merged["num_heads"]),
+      num_kv_heads=int(merged["num_kv_heads"]), head_dim=int(merged["head_dim"]),
+      intermediate_size=int(merged["intermediate_size"]), draft_vocab_size=int(vd),
+      qk_norm=bool(merged["qk_norm"]))
+
+
+def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,
+                  token_counts: np.ndarray | None = None) -> Drafter:
+  """Builds the drafter a config describes, for `target`.
+
+  Args:
+    config: drafter config (dict or ConfigDict), see the module docstring;
+      missing keys take `default_drafter_config` values.
+    target: the target `Transformer` (its embedding / head are shared, frozen).
+    rngs: RNG streams of the initialisation.
+    token_counts: optional [V] counts of the training tokens: a reduced draft
+      vocabulary is then their most frequent ids (else the first ids, until
+      `set_draft_vocab` is called).
+
+  Returns:
+    An `Eagle3Drafter` or a `BlockDrafter`.
+  """
+  spec = resolve_config(config, target.config)
+  cls = Eagle3Drafter if spec.kind == "eagle3" else BlockDrafter
+  drafter = cls(spec, target=target, rngs=rngs)
+  if token_counts is not None and drafter.reduced_vocab:
+    d2t, _ = vocab_lib.draft_vocab_from_counts(token_counts, spec.draft_vocab_size)
+    drafter.set_draft_vocab(d2t, target=target)
+  return drafter

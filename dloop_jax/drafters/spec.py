@@ -1,0 +1,50 @@
+"""`DrafterSpec`: the static, JSON-able configuration every product drafter is built from."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KINDS = ("eagle3", "block")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterSpec:
+  """Shape of a drafter (hashable: it is a static attribute of the module).
+
+  Attributes:
+    kind: "eagle3" or "block".
+    block_size: stage size gamma it is trained for (block: the most it drafts).
+    taps: target decoder layers whose outputs it reads.
+    num_layers: drafter decoder layers (EAGLE-3: 1).
+    num_heads: query heads.
+    num_kv_heads: key/value heads (grouped-query attention).
+    head_dim: per-head width.
+    intermediate_size: MLP width.
+    draft_vocab_size: reduced draft vocabulary size Vd (0 = the target's).
+    qk_norm: per-head RMSNorm on queries and keys (DFlash does this).
+  """
+
+  kind: str
+  block_size: int
+  taps: tuple[int, ...]
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  intermediate_size: int
+  draft_vocab_size: int = 0
+  qk_norm: bool = False
+
+  @property
+  def q_size(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def kv_size(self) -> int:
+    return self.num_kv_heads * self.head_dim
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["taps"] = list(self.taps)
+    return d

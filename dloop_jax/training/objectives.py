@@ -1,0 +1,317 @@
+"""Drafter training objectives: EAGLE-3 training-time test, block, loop-aware.
+
+    loss, metrics = loss_fn(drafter, batch, key, objective="eagle3_ttt", cfg={...})
+
+All are pure functions of arrays with static shapes (the trainer jits them with
+shardings); random choices (anchors, the number of loop stages) are traced,
+and a traced number of stages picks one of a few static unrolls with
+`lax.switch`.
+
+Batch (dict of arrays; B rows of T):
+
+    tokens       [B, T] int32    prompt + response, 0 at padding
+    loss_mask    [B, T] int32    1 where tokens[t] is a response token to predict
+    features     [B, T, n_taps, D] target taps after reading tokens[t]
+    segment_ids  [B, T] int32    packed example id, 0 = padding
+    positions    [B, T] int32    position within its own example
+
+A prediction of tokens[p] counts when loss_mask[p] is 1 and p lies in the same
+segment as every position it is conditioned on; attention never crosses
+segments, so nothing in another segment or past the loss region changes the
+loss.
+
+Objectives and their `cfg` keys (any Mapping or ConfigDict):
+
+  eagle3_ttt   ttt_steps (7), step_decay (0.8).
+    Unroll k steps feeding back the drafter's own hidden state; step i
+    (0-based) predicts the token i + 1 drafts ahead and weighs 0.8^i.
+  block        block_size (drafter's), anchors_per_sequence (16).
+    Random anchors inside the response, a block of gamma masks after each;
+    the k-th draft of a block weighs exp(-(k - 1) / gamma).
+  loop_aware   loop_stages (alias max_stages; 3), fixed_stages (0 = random),
+               block_size (drafter's), base_objective (optional check), and
+               the base objective's keys (step_decay / anchors_per_sequence).
+    DESIGN.md section 1: S ~ U{1..N} drafting stages of gamma tokens; inputs
+    are ground-truth tokens, the conditioning at earlier stages' positions is
+    the drafter's own hidden states; loss = (L^(1) + L^(S)) / 2, the base
+    objective's loss restricted to the first and to the last stage. For
+    EAGLE-3 a stage is gamma steps of the training-time-test chain (`ttt_steps`
+    is not used: stages set the unroll); for the block drafter stage s + 1 is
+    anchored at the ground-truth token ending stage s and sees stage s's
+    stand-in context (`BlockDrafter.train_stages`).
+
+Metrics: loss, acc_1 .. acc_K (top-1 accuracy at draft position k; K = ttt
+steps, or gamma for block / loop-aware), expected_acceptance_length (see
+`metrics.expected_acceptance_length`), and for loop-aware loss_first,
+loss_last, num_stages and last_acc_k / last_expected_acceptance_length of
+the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dloop_jax.drafters.block import BlockDrafter
+from dloop_jax.drafters.eagle3 import Eagle3Drafter
+from dloop_jax.errors import ConfigError
+from dloop_jax.training import metrics as metrics_lib
+
+OBJECTIVES = ("eagle3_ttt", "block", "loop_aware")
+_BASE_FOR = {Eagle3Drafter: "eagle3_ttt", BlockDrafter: "block"}
+
+
+# ------------------------------------------------------------------ helpers
+def _get(cfg: Any, key: str, default: Any) -> Any:
+  if cfg is None:
+    return default
+  if isinstance(cfg, Mapping) or hasattr(cfg, "get"):
+    value = cfg.get(key, None)
+    return default if value is None else value
+  raise ConfigError(f"objective cfg must be a mapping, got {type(cfg).__name__}.")
+
+
+def _batch(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+  """Validated batch with int32 ids; segment_ids / positions default to one example per row."""
+  missing = [k for k in ("tokens", "loss_mask", "features") if k not in batch]
+  if missing:
+    raise ConfigError(f"The batch lacks {missing}; it needs tokens, loss_mask, features"
+                      " (and segment_ids, positions).")
+  tokens = jnp.asarray(batch["tokens"]).astype(jnp.int32)
+  b, t = tokens.shape
+  segment_ids = batch.get("segment_ids")
+  segment_ids = (jnp.ones((b, t), jnp.int32) if segment_ids is None
+                 else jnp.asarray(segment_ids).astype(jnp.int32))
+  positions = batch.get("positions")
+  positions = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if positions is None
+               else jnp.asarray(positions).astype(jnp.int32))
+  return dict(tokens=tokens, loss_mask=jnp.asarray(batch["loss_mask"]).astype(jnp.int32),
+              features=jnp.asarray(batch["features"]).astype(jnp.float32),
+              segment_ids=segment_ids, positions=positions)
+
+
+def _shift(x: jax.Array, offset: int, fill: int = 0) -> jax.Array:
+  """y[:, t] = x[:, t + offset] (fill past the end)."""
+  t = x.shape[1]
+  if offset >= t:
+    return jnp.full_like(x, fill)
+  return jnp.pad(x[:, offset:], ((0, 0), (0, offset)), constant_values=fill)
+
+
+def _ce_terms(drafter, hidden: jax.Array, labels: jax.Array, valid: jax.Array,
+              weights: jax.Array | None = None) -> tuple[jax.Array, ...]:
+  """Cross-entropy pieces of predictions `hidden` [..., D] of target ids `labels` [...].
+
+  Labels outside a reduced draft vocabulary cannot be drafted: they are left
+  out of the loss and counted as misses in the accuracy. The logits are
+  recomputed in the backward pass (`jax.checkpoint`) instead of stored: at
+  [B, T, Vd] per step they would dominate training memory.
+
+  Returns:
+    (sum of weighted nll, sum of weights of loss terms, correct [...] bool,
+    valid [...] bool).
+  """
+  draft_labels = drafter.to_draft_ids(labels)
+  in_vocab = draft_labels >= 0
+
+  @jax.checkpoint
+  def nll_and_pred(h):
+    logits = drafter.draft_logits(h)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.maximum(draft_labels, 0)[..., None], axis=-1)[..., 0]
+    return nll, jnp.argmax(logits, axis=-1)
+
+  nll, pred = nll_and_pred(hidden)
+  w = (valid & in_vocab).astype(jnp.float32)
+  if weights is not None:
+    w = w * weights
+  correct = (drafter.to_target_ids(pred) == labels) & valid
+  return jnp.sum(nll * w), jnp.sum(w), correct, valid
+
+
+# ------------------------------------------------------------------- EAGLE-3
+def _ttt_step_stats(drafter: Eagle3Drafter, b: dict[str, jax.Array], num_steps: int):
+  """Per-step (mean nll [K], correct [K], counted [K]) of a `num_steps` TTT unroll."""
+  tokens, seg = b["tokens"], b["segment_ids"]
+  hiddens = drafter.ttt_hiddens(tokens=tokens, features=b["features"], positions=b["positions"],
+                                segment_ids=seg, num_steps=num_steps)
+  t = tokens.shape[1]
+  losses, correct, counted = [], [], []
+  for i in range(num_steps):
+    # Step i at index t predicts tokens[t + 2 + i].
+    offset = 2 + i
+    labels = _shift(tokens, offset)
+    valid = ((jnp.arange(t)[None, :] + offset < t) & (_shift(b["loss_mask"], offset) == 1)
+             & (_shift(seg, offset, fill=-1) == seg) & (seg > 0))
+    nll_sum, w_sum, ok, val = _ce_terms(drafter, hiddens[i], labels, valid)
+    losses.append(metrics_lib.safe_ratio(nll_sum, w_sum))
+    correct.append(jnp.sum(ok))
+    counted.append(jnp.sum(val))
+  return jnp.stack(losses), jnp.stack(correct), jnp.stack(counted)
+
+
+def eagle3_ttt_loss(drafter: Eagle3Drafter, batch: Mapping[str, jax.Array], *,
+                    ttt_steps: int = 7, step_decay: float = 0.8):
+  """EAGLE-3 training-time test: sum_i step_decay^i * CE of unrolled step i."""
+  b = _batch(batch)
+  losses, correct, counted = _ttt_step_stats(drafter, b, ttt_steps)
+  weights = step_decay ** jnp.arange(ttt_steps, dtype=jnp.float32)
+  loss = jnp.sum(weights * losses)
+  return loss, {"loss": loss, **metrics_lib.position_metrics(correct, counted)}
+
+
+def _eagle3_loop_branch(drafter, b, *, stages: int, gamma: int, step_decay: float):
+  losses, correct, counted = _ttt_step_stats(drafter, b, stages * gamma)
+  decay = step_decay ** jnp.arange(gamma, dtype=jnp.float32)
+  first = jnp.sum(decay * losses[:gamma])
+  last = jnp.sum(decay * losses[-gamma:])
+  return _loop_result(first, last, correct[:gamma], counted[:gamma], correct[-gamma:],
+                      counted[-gamma:], stages)
+
+
+# --------------------------------------------------------------------- block
+def sample_anchors(key: jax.Array, b: Mapping[str, jax.Array], num_anchors: int
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Random distinct anchors per row among positions whose next token is a response token.
+
+  An anchor a is valid when tokens[a + 1] is to be predicted (loss_mask 1) in
+  a's segment: at inference the anchor is the last committed token, and the
+  first draft predicts the next response token.
+
+  Returns:
+    anchors [B, A] int32, ok [B, A] bool (False when a row has fewer valid
+    positions than A; those blocks count nowhere).
+  """
+  seg, lm = b["segment_ids"], b["loss_mask"]
+  t = seg.shape[1]
+  valid = (_shift(lm, 1) == 1) & (_shift(seg, 1, fill=-1) == seg) & (seg > 0)
+  valid = valid & (jnp.arange(t)[None, :] < t - 1)
+  scores = jnp.where(valid, jax.random.uniform(key, valid.shape), -1.0)
+  top, anchors = jax.lax.top_k(scores, num_anchors)
+  return anchors.astype(jnp.int32), top >= 0
+
+
+def _block_stage_stats(drafter: BlockDrafter, b, anchors, ok, h: jax.Array, *, stage: int,
+                       gamma: int):
+  """(weighted mean nll, correct [gamma], counted [gamma]) of one stage's outputs h [B, A, gamma, D]."""
+  tokens, seg, lm = b["tokens"], b["segment_ids"], b["loss_mask"]
+  t = tokens.shape[1]
+  k = jnp.arange(1, gamma + 1)
+  pos = anchors[..., None] + stage * gamma + k  # [B, A, gamma]
+  inside = pos < t
+  pos_c = jnp.clip(pos, 0, t - 1)
+  take = jax.vmap(lambda row, p: row[p])
+  labels = take(tokens, pos_c)
+  seg_a = jnp.take_along_axis(seg, anchors, axis=1)[..., None]
+  valid = inside & (take(lm, pos_c) == 1) & (take(seg, pos_c) == seg_a) & ok[..., None]
+  weights = jnp.broadcast_to(jnp.exp(-(k - 1) / gamma).astype(jnp.float32), valid.shape)
+  nll_sum, w_sum, correct, valid = _ce_terms(drafter, h, labels, valid, weights)
+  return (metrics_lib.safe_ratio(nll_sum, w_sum), jnp.sum(correct, axis=(0, 1)),
+          jnp.sum(valid, axis=(0, 1)))
+
+
+def _block_setup(drafter: BlockDrafter, batch, key, cfg):
+  b = _batch(batch)
+  gamma = int(_get(cfg, "block_size", drafter.block_size))
+  if gamma > drafter.block_size:
+    raise ConfigError(f"block_size {gamma} exceeds the drafter's block size {drafter.block_size}.")
+  num = int(min(_get(cfg, "anchors_per_sequence", 16), b["tokens"].shape[1]))
+  anchors, ok = sample_anchors(key, b, num)
+  return b, gamma, anchors, ok
+
+
+def block_loss(drafter: BlockDrafter, batch: Mapping[str, jax.Array], key: jax.Array, *,
+               cfg: Any = None):
+  """Block objective: random anchors, position-decayed CE over the block."""
+  b, gamma, anchors, ok = _block_setup(drafter, batch, key, cfg)
+  (h,) = drafter.train_stages(tokens=b["tokens"], features=b["features"],
+                              positions=b["positions"], segment_ids=b["segment_ids"],
+                              anchors=anchors, block_size=gamma, num_stages=1)
+  loss, correct, counted = _block_stage_stats(drafter, b, anchors, ok, h, stage=0, gamma=gamma)
+  return loss, {"loss": loss, **metrics_lib.position_metrics(correct, counted)}
+
+
+def _block_loop_branch(drafter, b, anchors, ok, *, stages: int, gamma: int):
+  hs = drafter.train_stages(tokens=b["tokens"], features=b["features"], positions=b["positions"],
+                            segment_ids=b["segment_ids"], anchors=anchors, block_size=gamma,
+                            num_stages=stages)
+  first, c1, n1 = _block_stage_stats(drafter, b, anchors, ok, hs[0], stage=0, gamma=gamma)
+  last, cs, ns = _block_stage_stats(drafter, b, anchors, ok, hs[-1], stage=stages - 1,
+                                    gamma=gamma)
+  return _loop_result(first, last, c1, n1, cs, ns, stages)
+
+
+# ---------------------------------------------------------------- loop-aware
+def _loop_result(first, last, c1, n1, cs, ns, stages):
+  loss = 0.5 * (first + last)
+  m = {"loss": loss, "loss_first": first, "loss_last": last,
+       "num_stages": jnp.asarray(stages, jnp.float32)}
+  m.update(metrics_lib.position_metrics(c1, n1))
+  m.update(metrics_lib.position_metrics(cs, ns, prefix="last_"))
+  return loss, m
+
+
+def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, cfg: Any = None):
+  """Loop-aware training (DESIGN.md section 1): (L^(1) + L^(S)) / 2, S ~ U{1..N}."""
+  n = int(_get(cfg, "loop_stages", _get(cfg, "max_stages", 3)))
+  if n < 1:
+    raise ConfigError(f"loop_stages must be >= 1, got {n}.")
+  fixed = int(_get(cfg, "fixed_stages", 0))
+  if not 0 <= fixed <= n:
+    raise ConfigError(f"fixed_stages must be in [0, loop_stages={n}], got {fixed}.")
+  # Anchors from `key` itself: with S = 1 this is exactly the block objective.
+  stage_key, anchor_key = jax.random.fold_in(key, 1), key
+  index = (jnp.asarray(fixed - 1, jnp.int32) if fixed
+           else jax.random.randint(stage_key, (), 0, n))  # S - 1
+  if isinstance(drafter, Eagle3Drafter):
+    b = _batch(batch)
+    gamma = int(_get(cfg, "block_size", drafter.block_size))
+    decay = float(_get(cfg, "step_decay", 0.8))
+    branches = [lambda s=s: _eagle3_loop_branch(drafter, b, stages=s, gamma=gamma,
+                                                step_decay=decay) for s in range(1, n + 1)]
+  else:
+    b, gamma, anchors, ok = _block_setup(drafter, batch, anchor_key, cfg)
+    branches = [lambda s=s: _block_loop_branch(drafter, b, anchors, ok, stages=s, gamma=gamma)
+                for s in range(1, n + 1)]
+  if fixed:
+    return branches[fixed - 1]()
+  return jax.lax.switch(index, branches)
+
+
+# ---------------------------------------------------------------------- entry
+def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objective: str,
+            cfg: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The training loss of `drafter` on `batch` and its metrics.
+
+  Args:
+    drafter: an `Eagle3Drafter` or a `BlockDrafter` (merged from trained params).
+    batch: see the module docstring.
+    key: PRNG key (anchors, loop stages).
+    objective: "eagle3_ttt", "block" or "loop_aware".
+    cfg: the objective's settings (see the module docstring).
+
+  Returns:
+    (scalar loss, {name: scalar metric}).
+  """
+  if objective not in OBJECTIVES:
+    raise ConfigError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+  base = next((name for cls, name in _BASE_FOR.items() if isinstance(drafter, cls)), None)
+  if base is None:
+    raise ConfigError(f"No objective trains a {type(drafter).__name__}; expected an EAGLE-3 or a"
+                      " block drafter.")
+  if objective == "loop_aware":
+    wanted = _get(cfg, "base_objective", base)
+    if wanted != base:
+      raise ConfigError(f"loop_aware with base_objective={wanted!r} does not fit a"
+                        f" {type(drafter).__name__} (its objective is {base!r}).")
+    return loop_aware_loss(drafter, batch, key, cfg=cfg)
+  if objective != base:
+    raise ConfigError(f"objective {objective!r} does not train a {type(drafter).__name__}; use"
+                      f" {base!r} (or 'loop_aware').")
+  if objective == "eagle3_ttt":
+    return eagle3_ttt_loss(drafter, batch, ttt_steps=int(_get(cfg, "ttt_steps", 7)),
+                           step_decay=float(_get(cfg, "step_decay", 0.8)))
+  return block_loss(drafter, batch, key, cfg=cfg)

@@ -1,0 +1,256 @@
+"""Training objectives: shapes, masking, jit, learning, and the engine-measured effect.
+
+The training-effect tests use `tiny_target(seed=1, init_std=0.2)`: the default
+tiny target (init_std 0.3) continues random prompts almost chaotically (a
+bigram table of 20k response tokens predicts 23 % of held-out tokens, and
+drafters plateau near that), which leaves little for a drafter to learn; at
+init_std 0.2 the same table predicts ~50 % and trained drafters reach
+acceptance lengths of 1.5-1.7 against ~1.03 untrained.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import draft_training
+from dloop_jax.decoding import generate
+from dloop_jax.drafters import build_drafter
+from dloop_jax.errors import ConfigError
+from dloop_jax.models.config import tiny_target
+from dloop_jax.training import objectives
+from dloop_jax.training.metrics import expected_acceptance_length
+
+GAMMA = 3
+CASES = {
+    "eagle3_ttt": ("eagle3", {"ttt_steps": GAMMA}),
+    "block": ("block", {"anchors_per_sequence": 8}),
+    "loop_eagle3": ("eagle3", {"loop_stages": 2}),
+    "loop_block": ("block", {"loop_stages": 3, "anchors_per_sequence": 8}),
+}
+
+
+def _objective(case: str) -> str:
+  return "loop_aware" if case.startswith("loop") else case
+
+
+def _drafter(target, kind, seed=0):
+  return build_drafter({"kind": kind, "block_size": GAMMA}, target=target, rngs=nnx.Rngs(seed))
+
+
+@pytest.fixture(scope="module")
+def examples(tiny):
+  return draft_training.make_examples(tiny, taps=(0, 1), num_prompts=32, max_new_tokens=24,
+                                      seed=0)
+
+
+@pytest.fixture(scope="module")
+def packed(examples):
+  """Rows of two packed examples, padded: [prompt+response | prompt+response | pad]."""
+  return draft_training.pack_batch(examples[:8], seq_len=72, per_row=2)
+
+
+def _jit_loss(drafter, objective, cfg):
+  graphdef, state = nnx.split(drafter)
+
+  @jax.jit
+  def fn(state, batch, key):
+    return objectives.loss_fn(nnx.merge(graphdef, state), batch, key, objective=objective,
+                              cfg=cfg)
+
+  return lambda batch, key: fn(state, jax.tree.map(jnp.asarray, batch), key)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_shapes_metrics_and_masks(tiny, packed, case):
+  kind, cfg = CASES[case]
+  loss_of = _jit_loss(_drafter(tiny, kind), _objective(case), cfg)
+  key = jax.random.key(3)
+  loss, metrics = loss_of(packed, key)
+  assert loss.shape == () and np.isfinite(float(loss))
+  accs = [float(metrics[f"acc_{k}"]) for k in range(1, GAMMA + 1)]
+  assert all(0 <= a <= 1 for a in accs) and "acc_4" not in metrics
+  np.testing.assert_allclose(float(metrics["expected_acceptance_length"]),
+                             1 + np.sum(np.cumprod(accs)), rtol=1e-5)
+  if case.startswith("loop"):
+    assert 1 <= float(metrics["num_stages"]) <= cfg["loop_stages"]
+    np.testing.assert_allclose(float(loss), 0.5 * float(metrics["loss_first"] + metrics["loss_last"]),
+                               rtol=1e-5)
+
+  # Padding (segment 0) holds junk: nothing changes.
+  junk = {k: v.copy() for k, v in packed.items()}
+  pad = junk["segment_ids"] == 0
+  assert pad.any()
+  junk["tokens"][pad] = 7
+  junk["features"][pad] = 3.0
+  np.testing.assert_allclose(loss_of(junk, key)[0], loss, rtol=1e-6)
+
+  # Tokens after the loss region of the second example: nothing changes.
+  after = {k: v.copy() for k, v in packed.items()}
+  for r in range(after["tokens"].shape[0]):
+    idx = np.nonzero(after["segment_ids"][r] == 2)[0]
+    tail = idx[-3:]
+    after["loss_mask"][r, tail] = 0
+  base = loss_of(after, key)[0]
+  for r in range(after["tokens"].shape[0]):
+    tail = np.nonzero(after["segment_ids"][r] == 2)[0][-3:]
+    after["tokens"][r, tail] = (after["tokens"][r, tail] + 5) % 64
+    after["features"][r, tail] += 1.0
+  np.testing.assert_allclose(loss_of(after, key)[0], base, rtol=1e-6)
+
+  # The first example of a row, out of the loss: the second one's loss is unchanged,
+  # so attention does not cross segments.
+  other = {k: v.copy() for k, v in packed.items()}
+  other["loss_mask"][other["segment_ids"] == 1] = 0
+  base = loss_of(other, key)[0]
+  first = other["segment_ids"] == 1
+  other["tokens"][first] = (other["tokens"][first] * 7 + 1) % 64
+  other["features"][first] = -other["features"][first]
+  np.testing.assert_allclose(loss_of(other, key)[0], base, rtol=1e-6)
+
+
+def test_loop_aware_with_one_stage_is_the_base_objective(tiny, packed):
+  key = jax.random.key(0)
+  for kind, base, cfg in (("eagle3", "eagle3_ttt", {"ttt_steps": GAMMA}),
+                          ("block", "block", {"anchors_per_sequence": 8})):
+    drafter = _drafter(tiny, kind)
+    want = _jit_loss(drafter, base, cfg)(packed, key)[0]
+    got = _jit_loss(drafter, "loop_aware", dict(cfg, fixed_stages=1))(packed, key)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_random_stage_count_is_traced(tiny, packed):
+  loss_of = _jit_loss(_drafter(tiny, "block"), "loop_aware", {"loop_stages": 3})
+  stages = {int(loss_of(packed, jax.random.key(i))[1]["num_stages"]) for i in range(12)}
+  assert stages == {1, 2, 3}
+
+
+def test_bad_objectives_raise(tiny, packed):
+  drafter = _drafter(tiny, "block")
+  with pytest.raises(ConfigError, match="does not train"):
+    objectives.loss_fn(drafter, packed, jax.random.key(0), objective="eagle3_ttt", cfg={})
+  with pytest.raises(ConfigError, match="base_objective"):
+    objectives.loss_fn(drafter, packed, jax.random.key(0), objective="loop_aware",
+                       cfg={"base_objective": "eagle3_ttt"})
+  with pytest.raises(ConfigError, match="objective must be"):
+    objectives.loss_fn(drafter, packed, jax.random.key(0), objective="mtp", cfg={})
+
+
+def test_expected_acceptance_length():
+  np.testing.assert_allclose(expected_acceptance_length(jnp.array([0.5, 0.5, 1.0])), 2.0)
+  np.testing.assert_allclose(expected_acceptance_length(jnp.zeros(4)), 1.0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_decreases(tiny, examples, case):
+  kind, cfg = CASES[case]
+  batches = [draft_training.pack_batch(examples[i:i + 8], seq_len=48, per_row=1)
+             for i in range(0, len(examples), 8)]
+  history = draft_training.train(_drafter(tiny, kind), batches, objective=_objective(case),
+                                 cfg=cfg, steps=100)
+  losses = np.array([h["loss"] for h in history])
+  if case.startswith("loop"):
+    # Loss scales with the random stage count: compare the first stage's loss.
+    losses = np.array([h["loss_first"] for h in history])
+  assert losses[-20:].mean() < 0.8 * losses[:10].mean(), losses[::10]
+
+
+# --------------------------------------------------------- the training effect
+@pytest.fixture(scope="module")
+def learnable():
+  target = tiny_target(seed=1, init_std=0.2)
+  train = draft_training.make_examples(target, taps=(0, 1), num_prompts=256, max_new_tokens=40,
+                                       seed=0)
+  held = draft_training.make_examples(target, taps=(0, 1), num_prompts=16, max_new_tokens=40,
+                                      seed=99)
+  batches = [draft_training.pack_batch(train[i:i + 16], seq_len=48)
+             for i in range(0, len(train), 16)]
+  return target, batches, held
+
+
+def _tau(target, drafter, held, **kw):
+  out = generate(target, [h["prompt"] for h in held], max_new_tokens=40, drafter=drafter,
+                 block_size=GAMMA, **kw)
+  return out.total
+
+
+@pytest.mark.parametrize("kind,objective,cfg", [
+    ("eagle3", "eagle3_ttt", {"ttt_steps": GAMMA}),
+    ("block", "block", {"anchors_per_sequence": 8}),
+])
+def test_training_raises_engine_acceptance_length(learnable, kind, objective, cfg):
+  target, batches, held = learnable
+  drafter = _drafter(target, kind)
+  before = _tau(target, drafter, held, mode="sd").acceptance_length
+  history = draft_training.train(drafter, batches, objective=objective, cfg=cfg, steps=300)
+  after = _tau(target, drafter, held, mode="sd").acceptance_length
+  loop = _tau(target, drafter, held, mode="dloop", gate=-1.0, max_stages=3)
+  print(f"\n{kind}: sd acceptance length {before:.3f} untrained -> {after:.3f} after 300 steps"
+        f" (train expected_acceptance_length {history[-1]['expected_acceptance_length']:.3f});"
+        f" dloop g=-1 S_max=3: {loop.acceptance_length:.3f}, {loop.stages_per_round:.2f}"
+        " stages/round")
+  assert before < 1.1
+  assert after > before + 0.3
+
+
+def test_loop_aware_fine_tune_lowers_the_last_stage_loss(learnable):
+  """Loop-aware fine-tuning learns to draft from the stand-in context of earlier stages."""
+  target, batches, held = learnable
+  drafter = _drafter(target, "block")
+  draft_training.train(drafter, batches, objective="block", cfg={"anchors_per_sequence": 8},
+                       steps=200)
+  eval_cfg = {"loop_stages": 2, "fixed_stages": 2, "anchors_per_sequence": 8}
+  held_batch = draft_training.pack_batch(held, seq_len=48)
+  before = _jit_loss(drafter, "loop_aware", eval_cfg)(held_batch, jax.random.key(0))[1]
+  draft_training.train(drafter, batches, objective="loop_aware",
+                       cfg={"loop_stages": 2, "anchors_per_sequence": 8}, steps=100,
+                       learning_rate=1e-3, seed=1)
+  after = _jit_loss(drafter, "loop_aware", eval_cfg)(held_batch, jax.random.key(0))[1]
+  print(f"\nblock stage-2 loss {float(before['loss_last']):.3f} -> {float(after['loss_last']):.3f},"
+        f" stage-2 expected acceptance {float(before['last_expected_acceptance_length']):.3f} ->"
+        f" {float(after['last_expected_acceptance_length']):.3f}")
+  assert float(after["loss_last"]) < float(before["loss_last"])
+
+
+@pytest.mark.skipif(not os.environ.get("DLOOP_MEASURE"),
+                    reason="a measurement (minutes), not a check: set DLOOP_MEASURE=1")
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+@pytest.mark.parametrize("init_std", [0.2, 0.3])
+def test_measure_loop_aware_effect_on_dloop(kind, init_std):
+  """Same start, same extra steps: base objective vs loop-aware fine-tune, engine-measured."""
+  target = tiny_target(seed=1, init_std=init_std)
+  train = draft_training.make_examples(target, taps=(0, 1), num_prompts=512, max_new_tokens=40,
+                                       seed=0)
+  held = draft_training.make_examples(target, taps=(0, 1), num_prompts=32, max_new_tokens=40,
+                                      seed=99)
+  batches = [draft_training.pack_batch(train[i:i + 16], seq_len=48)
+             for i in range(0, len(train), 16)]
+  base, cfg = (("eagle3_ttt", {"ttt_steps": GAMMA}) if kind == "eagle3"
+               else ("block", {"anchors_per_sequence": 8}))
+  drafter = _drafter(target, kind)
+  draft_training.train(drafter, batches, objective=base, cfg=cfg, steps=600)
+  start = jax.tree.map(lambda x: x, nnx.state(drafter, nnx.Param))
+
+  def report(name):
+    cells = [f"sd {_tau(target, drafter, held, mode='sd').acceptance_length:.3f}"]
+    for gate in (-np.inf, -1.5, -0.5):
+      t = _tau(target, drafter, held, mode="dloop", gate=gate, max_stages=3)
+      cells.append(f"dloop g={gate} {t.acceptance_length:.3f} ({t.stages_per_round:.2f} st)")
+    m = _jit_loss(drafter, "loop_aware", dict(cfg, loop_stages=3, fixed_stages=3))(
+        draft_training.pack_batch(held, seq_len=48), jax.random.key(0))[1]
+    cells.append(f"stage-3 tau {float(m['last_expected_acceptance_length']):.3f}")
+    print(f"\n{kind} init_std={init_std} {name}: " + ", ".join(cells))
+
+  report("base 600")
+  draft_training.train(drafter, batches, objective=base, cfg=cfg, steps=300,
+                       learning_rate=1e-3, seed=1)
+  report("base 600 + base 300")
+  nnx.update(drafter, start)
+  draft_training.train(drafter, batches, objective="loop_aware", cfg=dict(cfg, loop_stages=3),
+                       steps=300, learning_rate=1e-3, seed=1)
+  report("base 600 + loop-aware 300")
