@@ -45,7 +45,7 @@ def drafters(tiny, examples):
                                             token_counts=counts)
     trained = build_drafter(config, target=tiny, rngs=nnx.Rngs(0), token_counts=counts)
     draft_training.train(trained, _batches(examples), objective="eagle3_ttt",
-                         cfg={"ttt_steps": GAMMA}, steps=100)
+                         cfg={"ttt_steps": GAMMA}, steps=60)
     out[f"trained_v{vd}"] = trained
   return out
 

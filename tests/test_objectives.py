@@ -203,12 +203,12 @@ def test_loop_aware_fine_tune_lowers_the_last_stage_loss(learnable):
   target, batches, held = learnable
   drafter = _drafter(target, "block")
   draft_training.train(drafter, batches, objective="block", cfg={"anchors_per_sequence": 8},
-                       steps=200)
+                       steps=150)
   eval_cfg = {"loop_stages": 2, "fixed_stages": 2, "anchors_per_sequence": 8}
   held_batch = draft_training.pack_batch(held, seq_len=48)
   before = _jit_loss(drafter, "loop_aware", eval_cfg)(held_batch, jax.random.key(0))[1]
   draft_training.train(drafter, batches, objective="loop_aware",
-                       cfg={"loop_stages": 2, "anchors_per_sequence": 8}, steps=100,
+                       cfg={"loop_stages": 2, "anchors_per_sequence": 8}, steps=60,
                        learning_rate=1e-3, seed=1)
   after = _jit_loss(drafter, "loop_aware", eval_cfg)(held_batch, jax.random.key(0))[1]
   print(f"\nblock stage-2 loss {float(before['loss_last']):.3f} -> {float(after['loss_last']):.3f},"
