@@ -109,44 +109,6 @@ def train(drafter, batches: list[dict[str, np.ndarray]], *, objective: str, cfg:
   return [{k: float(v) for k, v in m.items()} for m in jax.device_get(history)]
 
 
-# ------------------------------------------------------------------ sampling
-def exact_joint(target, prompt: list[int], sampling, depth: int = 2) -> dict[tuple, float]:
-  """{(t1, .., t_depth): probability} of the first generated tokens under the processed target."""
-  from dloop_jax.decoding.sampling import processed_probs  # pylint: disable=g-import-not-at-top
-  dist = {(): 1.0}
-  for _ in range(depth):
-    seqs = list(dist)
-    tokens = jnp.asarray([prompt + list(s) for s in seqs], jnp.int32)
-    b, t = tokens.shape
-    cache = target.init_cache(batch_size=b, capacity=t)
-    positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-    logits = target(tokens, positions=positions, cache=cache).logits[:, -1]
-    probs = np.asarray(processed_probs(logits, sampling), np.float64)
-    nxt = {}
-    for s, row in zip(seqs, probs):
-      for tok in np.nonzero(row > 0)[0]:
-        nxt[s + (int(tok),)] = dist[s] * row[tok]
-    dist = nxt
-  return dist
-
-
-def chi_square_pvalue(samples: list[tuple], exact: dict[tuple, float]) -> float:
-  """Pearson goodness of fit, cells with expected count < 5 merged into one."""
-  import collections  # pylint: disable=g-import-not-at-top
-  from scipy import stats  # pylint: disable=g-import-not-at-top
-  n = len(samples)
-  counts = collections.Counter(samples)
-  assert set(counts) <= set(exact), "sampled outside the target's support"
-  expected = np.array([exact[k] * n for k in exact])
-  observed = np.array([counts.get(k, 0) for k in exact], np.float64)
-  small = expected < 5
-  if small.any():
-    expected = np.append(expected[~small], expected[small].sum())
-    observed = np.append(observed[~small], observed[small].sum())
-  stat = float(((observed - expected) ** 2 / expected).sum())
-  return float(stats.chi2.sf(stat, df=len(expected) - 1))
-
-
 # ------------------------------------------------- jitted drafter calls (unit tests)
 @nnx.jit
 def commit(drafter, state, tokens, features, next_tokens, starts, counts):

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
+
+from reference import last_logits
 
 NEAR_TIE = 1e-3
 
 
 def top2_gap(target, context: list[int]) -> float:
   """Gap between the two largest next-token logits after `context`."""
-  tokens = jnp.asarray([context], jnp.int32)
-  positions = jnp.arange(len(context))[None, :]
-  cache = target.init_cache(batch_size=1, capacity=len(context))
-  logits = np.asarray(target(tokens, positions=positions, cache=cache).logits[0, -1])
-  top = np.sort(logits)[-2:]
+  top = np.sort(last_logits(target, [context])[0])[-2:]
   return float(top[1] - top[0])
 
 

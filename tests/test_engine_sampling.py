@@ -16,58 +16,16 @@ from q) shift whole probability mass between outcomes: with the drafters below
 
 from __future__ import annotations
 
-import collections
-import itertools
 import math
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from scipy import stats as scipy_stats
 
 import drafter_fixtures
 from dloop_jax.decoding import SamplingConfig, generate
-from dloop_jax.decoding.sampling import processed_probs
+from reference import chi_square_pvalue, exact_distribution
 
 N = 20_000
 PROMPT = [3, 14, 15]
-
-
-def _next_probs(target, contexts, sampling):
-  """Processed next-token distributions after each of equally long contexts."""
-  tokens = jnp.asarray(contexts, jnp.int32)
-  b, t = tokens.shape
-  cache = target.init_cache(batch_size=b, capacity=t)
-  positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-  logits = target(tokens, positions=positions, cache=cache).logits[:, -1]
-  return np.asarray(processed_probs(logits, sampling), np.float64)
-
-
-def exact_distribution(target, prompt, sampling, depth=3):
-  """{(t1, .., t_depth): probability} by enumerating the support."""
-  dist = {(): 1.0}
-  for _ in range(depth):
-    seqs = list(dist)
-    probs = _next_probs(target, [prompt + list(seq) for seq in seqs], sampling)
-    nxt = {}
-    for seq, row in zip(seqs, probs):
-      for tok in np.nonzero(row > 0)[0]:
-        nxt[seq + (int(tok),)] = dist[seq] * row[tok]
-    dist = nxt
-  return dist
-
-
-def chi_square_pvalue(samples, exact):
-  counts = collections.Counter(samples)
-  assert set(counts) <= set(exact), "sampled a sequence outside the target's support"
-  expected = np.array([exact[k] * N for k in exact])
-  observed = np.array([counts.get(k, 0) for k in exact], np.float64)
-  small = expected < 5
-  if small.any():
-    expected = np.append(expected[~small], expected[small].sum())
-    observed = np.append(observed[~small], observed[small].sum())
-  stat = float(((observed - expected) ** 2 / expected).sum())
-  return float(scipy_stats.chi2.sf(stat, df=len(expected) - 1)), stat
 
 
 SETTINGS = {

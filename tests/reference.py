@@ -1,0 +1,54 @@
+"""Exact target quantities by direct forwards, for checking the engine against them."""
+
+from __future__ import annotations
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats as scipy_stats
+
+from dloop_jax.decoding.sampling import processed_probs
+
+
+def last_logits(target, contexts: list[list[int]]) -> np.ndarray:
+  """[N, V] next-token logits after each of N equally long contexts (no cache reuse)."""
+  tokens = jnp.asarray(contexts, jnp.int32)
+  b, t = tokens.shape
+  cache = target.init_cache(batch_size=b, capacity=t)
+  positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+  return np.asarray(target(tokens, positions=positions, cache=cache).logits[:, -1])
+
+
+def exact_distribution(target, prompt: list[int], sampling, depth: int = 3) -> dict[tuple, float]:
+  """{(t1, .., t_depth): probability} of the first new tokens, by enumerating the support."""
+  dist = {(): 1.0}
+  for _ in range(depth):
+    seqs = list(dist)
+    logits = last_logits(target, [prompt + list(seq) for seq in seqs])
+    probs = np.asarray(processed_probs(jnp.asarray(logits), sampling), np.float64)
+    nxt = {}
+    for seq, row in zip(seqs, probs):
+      for tok in np.nonzero(row > 0)[0]:
+        nxt[seq + (int(tok),)] = dist[seq] * row[tok]
+    dist = nxt
+  return dist
+
+
+def chi_square_pvalue(samples: list[tuple], exact: dict[tuple, float]) -> tuple[float, float]:
+  """Pearson goodness of fit -> (p-value, statistic).
+
+  Outcomes with expected count < 5 are merged into one cell (the usual
+  validity condition of the chi-square approximation).
+  """
+  n = len(samples)
+  counts = collections.Counter(samples)
+  assert set(counts) <= set(exact), "sampled a sequence outside the target's support"
+  expected = np.array([exact[k] * n for k in exact])
+  observed = np.array([counts.get(k, 0) for k in exact], np.float64)
+  small = expected < 5
+  if small.any():
+    expected = np.append(expected[~small], expected[small].sum())
+    observed = np.append(observed[~small], observed[small].sum())
+  stat = float(((observed - expected) ** 2 / expected).sum())
+  return float(scipy_stats.chi2.sf(stat, df=len(expected) - 1)), stat
