@@ -132,6 +132,34 @@ def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN):
   return builder.as_data_source(split=split)
 
 
+def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_lib.TRAIN,
+                 masked: bool = True) -> np.ndarray:
+  """[V] int64 counts of the target tokens of a split, in one pass over its examples.
+
+  `masked` counts only response tokens (`loss_mask` 1): what a drafter
+  predicts; prompts are inputs only. Whole examples are counted, also beyond
+  a training `seq_len`. The `features` field (almost all of each record) is
+  left undecoded.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  builder = tfds.builder_from_directory(resolve_dataset_dir(path))
+  if split not in builder.info.splits:
+    raise ConfigError(f"The dataset has splits {list(builder.info.splits)}, not {split!r}.")
+  source = builder.as_data_source(split=split,
+                                  decoders={"features": tfds.decode.SkipDecoding()})
+  counts = np.zeros((vocab_size,), np.int64)
+  for i in range(len(source)):
+    example = source[i]
+    tokens = np.asarray(example["tokens"])
+    if masked:
+      tokens = tokens[np.asarray(example["loss_mask"]) != 0]
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+      raise ConfigError(f"The dataset holds token ids {tokens.min()}..{tokens.max()}, outside"
+                        f" this target's vocabulary [0, {vocab_size}).")
+    counts += np.bincount(tokens, minlength=vocab_size)
+  return counts
+
+
 # --------------------------------------------------------------- transforms
 def _truncated(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
   n = min(len(example["tokens"]), seq_len)

@@ -6,7 +6,9 @@ Flow of `train(config, workdir)`:
     split: params (nnx.Param, trained) | frozen (target-shared) | rng | model_state
     params, AdamW state: NamedSharding from the logical rules (fsdp / tensor)
     data: Grain iterator of numpy batches, checked against the drafter's taps
-    resume from <workdir>/checkpoints (newest readable step), else `init_from`
+    resume from <workdir>/checkpoints (newest readable step), else `init_from`,
+          else (reduced draft vocabulary) the most frequent response tokens of
+          the training split become the draft vocabulary
     loop: batch -> global arrays over (data, fsdp) -> jit step (donates the
           state) -> metrics (JSONL, TensorBoard, progress bar) -> async save
     export <workdir>/export: the drafter alone, for `load_drafter`
@@ -41,6 +43,7 @@ from jax.experimental import multihost_utils
 # the drafter base back: importing `decoding` first keeps that cycle resolvable.
 import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
 from dloop_jax.drafters import io as drafter_io
+from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
@@ -76,6 +79,9 @@ class TrainHooks:
       `get_state()` / `set_state()`.
     check_dataset: `(data_info, *, drafter, target: Target) -> None`, raises
       ConfigError when the data does not fit the drafter (other taps, target).
+    token_counts: `(data_info, *, vocab_size) -> [vocab_size] counts` of the
+      training tokens the drafter predicts; a fresh drafter with a reduced
+      draft vocabulary uses the most frequent ones.
   """
 
   build_target: Callable[..., Target]
@@ -83,6 +89,7 @@ class TrainHooks:
   loss_fn: Callable[..., tuple[jax.Array, Mapping[str, jax.Array]]]
   make_iterator: Callable[..., tuple[Iterator[Mapping[str, np.ndarray]], Any]]
   check_dataset: Callable[..., None]
+  token_counts: Callable[..., np.ndarray] | None = None  # None: default_token_counts
 
 
 def tiny_target_name(target_config: Mapping[str, Any]) -> str:
@@ -174,10 +181,19 @@ def default_check_dataset(data_info, *, drafter, target: Target):
                                     target_config=target.model.config, target_name=target.name)
 
 
+def default_token_counts(data_info, *, vocab_size: int) -> np.ndarray:
+  """Response-token counts of the training split of the dataset at `data_info` (a path)."""
+  if not isinstance(data_info, (str, os.PathLike)):
+    raise ConfigError("A drafter with a reduced draft vocabulary needs the token counts of its"
+                      f" training data; the data hook returned {type(data_info).__name__}, not"
+                      " a dataset path: set TrainHooks.token_counts.")
+  return _pipeline().token_counts(data_info, vocab_size=vocab_size)
+
+
 def default_hooks() -> TrainHooks:
   return TrainHooks(build_target=default_build_target, build_drafter=default_build_drafter,
                     loss_fn=default_loss_fn, make_iterator=default_make_iterator,
-                    check_dataset=default_check_dataset)
+                    check_dataset=default_check_dataset, token_counts=default_token_counts)
 
 
 def load_hooks(spec: str) -> TrainHooks:
@@ -308,6 +324,41 @@ class Trainer:
     self.step = 0
     self._steps: dict[Any, Callable] = {}
     self.base_key = jax.random.key(int(config.seed))
+
+  # ------------------------------------------------------- draft vocabulary
+  @property
+  def reduced_vocab(self) -> bool:
+    return bool(getattr(self.drafter, "reduced_vocab", False))
+
+  def set_draft_vocab(self, counts: np.ndarray) -> np.ndarray:
+    """Draft vocabulary = the most frequent ids of `counts`, before training.
+
+    As `build_drafter(..., token_counts=counts)` would: the maps change and the
+    head restarts from the target's columns; the optimizer state restarts.
+    Returns d2t.
+    """
+    size = int(drafter_io.drafter_config_of(self.drafter)["draft_vocab_size"])
+    d2t, _ = vocab_lib.draft_vocab_from_counts(counts, size)
+    drafter = self.drafter_with()
+    with sharding_lib.mesh_context(self.mesh, self.rules):
+      drafter.set_draft_vocab(d2t, target=self.target.model)
+    graphdef, params, frozen, _, model_state = drafter_io.split_drafter(drafter)
+
+    def layout(template):
+      return [(path, var.get_value().shape) for path, var in template]
+
+    for name, state in (("params", params), ("frozen", frozen), ("model_state", model_state)):
+      template = _template(state)
+      # The shardings and the optimizer were made for the old layout.
+      if layout(self._templates[name]) != layout(template):
+        raise ConfigError(f"{type(drafter).__name__}.set_draft_vocab changed the {name} layout.")
+      self._templates[name] = template
+    self.graphdef = graphdef
+    self.drafter = drafter
+    self.params = _place(sharding_lib.flat_values(params), self.param_shardings)
+    self.model_state = _place(sharding_lib.flat_values(model_state), self.model_state_shardings)
+    self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+    return d2t
 
   # ---------------------------------------------------------------- helpers
   def num_params(self) -> int:
@@ -586,9 +637,22 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
   elif c.init_from:
     init_source = trainer.init_from(c.init_from)
     logging.info("Initialized the drafter's weights from %s.", init_source)
-  elif c.objective == "loop_aware":
-    logging.warning("Loop-aware training from a random drafter: the recipe fine-tunes a"
-                    " normally trained one (set init_from to its workdir or export).")
+  else:
+    if trainer.reduced_vocab:
+      # A resumed or init_from drafter brings its maps (stored with its
+      # weights); a fresh one drafts the most frequent tokens of this data.
+      start = time.perf_counter()
+      count_fn = hooks.token_counts or default_token_counts
+      counts = np.asarray(count_fn(data_info,
+                                   vocab_size=int(trainer.target.model.config.vocab_size)))
+      d2t = trainer.set_draft_vocab(counts)
+      logging.info("Draft vocabulary: the %d most frequent token ids, %.1f %% of the %d response"
+                   " tokens of the training data (counted in %.1f s).", d2t.size,
+                   100 * counts[d2t].sum() / max(counts.sum(), 1), int(counts.sum()),
+                   time.perf_counter() - start)
+    if c.objective == "loop_aware":
+      logging.warning("Loop-aware training from a random drafter: the recipe fine-tunes a"
+                      " normally trained one (set init_from to its workdir or export).")
 
   writer = _MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
   bar = _progress(num_steps, trainer.step, bool(c.progress_bar))
