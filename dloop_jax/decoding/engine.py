@@ -297,8 +297,9 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         committed=st.committed + counts,
         drafted=st.drafted + act * num_drafts,
         accepted=st.accepted + jnp.minimum(k, counts),
+        # Drafting, plus one forward for the commit (see `drafters.base`).
         drafter_forwards=st.drafter_forwards + act * (
-            num_stages * drafter.forwards_per_stage(gamma) + 1),
+            drafter.drafting_forwards(gamma, num_stages) + 1),
         target_tokens=st.target_tokens + act * width,
         stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
             num_stages, s.max_stages + 1, dtype=jnp.int32))

@@ -25,6 +25,17 @@ The engine talks to a drafter in two calls:
 
 Autoregressive drafters (EAGLE-3) draft a stage as `block_size` sequential
 steps; parallel drafters (block / DFlash-style) in one forward.
+
+Drafter forwards (the `drafter_forwards` statistic). One drafter forward is
+one pass of the drafter's network over the positions it reads together: a
+`commit` (all newly committed positions at once; the block drafter's context
+projection), one sequential step of an autoregressive drafter, or a parallel
+drafter's whole block. Taking a token from logits of a hidden state already
+computed (the LM head on the output of the previous pass) is not a forward.
+Per round: `drafting_forwards(gamma, s)` for the s stages drafted, plus 1 for
+the commit after verification; plus 1 for the commit after the prefill. Counts
+are per row: a row is charged the stages it drafted, although the batched
+program keeps drafting for every row while any row continues.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
@@ -94,9 +106,21 @@ class Drafter(nnx.Module):
   target_fingerprint: tuple
   name: str = "drafter"
 
-  def forwards_per_stage(self, block_size: int) -> int:
-    """Drafter forward passes one stage costs (statistics)."""
+  def forwards_per_stage(self, block_size: int, *, first: bool) -> int:
+    """Drafter forwards one stage of `block_size` drafts costs (statistics).
+
+    Args:
+      block_size: gamma.
+      first: whether the stage is the first of its round (it follows a commit).
+    """
+    del first
     return block_size if self.kind == "autoregressive" else 1
+
+  def drafting_forwards(self, block_size: int, num_stages: jax.Array) -> jax.Array:
+    """Drafter forwards of the `num_stages` [B] stages of one round (commit excluded)."""
+    first = self.forwards_per_stage(block_size, first=True)
+    later = self.forwards_per_stage(block_size, first=False)
+    return jnp.where(num_stages > 0, first + (num_stages - 1) * later, 0).astype(jnp.int32)
 
   def max_block_size(self) -> int | None:
     """Largest stage size it can draft (None = any)."""

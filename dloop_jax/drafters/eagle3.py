@@ -205,6 +205,15 @@ class Eagle3Drafter(Drafter):
     return self._finish(feature, attention(q, k_all, v_all, mask)), k_all, v_all
 
   # -------------------------------------------------------------- interface
+  def forwards_per_stage(self, block_size: int, *, first: bool) -> int:
+    """gamma - 1 layer forwards, plus one reading the previous stage's pending draft.
+
+    The first draft comes from the hidden state already computed (by the commit
+    or by reading the pending draft): only the head runs for it. The first stage
+    of a round follows a commit, so it has nothing pending.
+    """
+    return block_size - 1 + (0 if first else 1)
+
   def init_state(self, *, batch_size: int, capacity: int) -> Eagle3State:
     s = self.spec
     dtype = self.fc[...].dtype

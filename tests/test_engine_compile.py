@@ -1,0 +1,114 @@
+"""generate() is one compiled program: cached per static shape, gate traced, loops nested."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import drafter_fixtures
+from dloop_jax.decoding import engine, generate
+
+# The shapes of test_engine_gate.py's runs: in one session they share its compile.
+GAMMA, S_MAX, MAX_NEW = 2, 3, 25
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny):
+  return drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=3)
+
+
+def test_one_compile_per_shape(tiny, drafter):
+  """Same shapes (other prompts, seed, gate) reuse the program; another max_new_tokens compiles."""
+  kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX)
+  generate(tiny, [[5, 6, 7], [9, 1, 2, 3, 4]], max_new_tokens=MAX_NEW, gate=-0.5, **kw)
+  traces = engine.trace_count()
+  again = generate(tiny, [[1, 2], [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=MAX_NEW, gate=-0.5,
+                   seed=1, **kw)
+  assert engine.trace_count() == traces and again.compile_seconds == 0.0
+  # The gate is a traced value: -inf and +inf run the same program, and it is live.
+  eager = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW, gate=-math.inf, **kw)
+  lazy = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW, gate=math.inf, **kw)
+  assert engine.trace_count() == traces
+  assert eager.compile_seconds == lazy.compile_seconds == 0.0
+  assert all(r.stage_histogram == [0, 0, 0, r.rounds] for r in eager.rows)
+  assert all(r.stage_histogram == [0, r.rounds, 0, 0] for r in lazy.rows)
+  # max_new_tokens is static: a new program, compiled once.
+  longer = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW + 2, gate=-0.5, **kw)
+  assert engine.trace_count() == traces + 1 and longer.compile_seconds > 0
+  assert all(len(t) == MAX_NEW + 2 for t in longer.tokens)
+  again = generate(tiny, [[7], [8]], max_new_tokens=MAX_NEW + 2, gate=0.0, **kw)
+  assert engine.trace_count() == traces + 1 and again.compile_seconds == 0.0
+
+
+def _subjaxprs(eqn):
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(v, "eqns"):
+        yield v
+      elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+        yield v.jaxpr
+
+
+def _control_flow(jaxpr):
+  """`while` / `cond` equations of `jaxpr`, looking inside jit calls but not inside loops."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("while", "cond"):
+      found.append(eqn)
+    elif eqn.primitive.name != "scan":
+      for sub in _subjaxprs(eqn):
+        found += _control_flow(sub)
+  return found
+
+
+def _whiles(jaxpr):
+  return [e for e in _control_flow(jaxpr) if e.primitive.name == "while"]
+
+
+def _body(while_eqn):
+  return while_eqn.params["body_jaxpr"].jaxpr
+
+
+def _switches(jaxpr, n):
+  return [e for e in _control_flow(jaxpr)
+          if e.primitive.name == "cond" and len(e.params["branches"]) == n]
+
+
+def _iota_lengths(jaxpr):
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "iota" and len(eqn.params["shape"]) == 1:
+      found.add(eqn.params["shape"][0])
+    for sub in _subjaxprs(eqn):
+      found |= _iota_lengths(sub)
+  return found
+
+
+def test_dloop_program_nests_the_stage_loop_in_the_round_loop(tiny, drafter):
+  """dloop: round while_loop > (stage while_loop, then a switch over S_max verify widths)."""
+  jaxpr = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="dloop", drafter=drafter,
+                              block_size=GAMMA, gate=-0.5, max_stages=S_MAX).jaxpr
+  (rounds,) = _whiles(jaxpr)
+  assert not _switches(jaxpr, S_MAX)
+  (stages,) = _whiles(_body(rounds))
+  assert len(_switches(_body(rounds), S_MAX)) == 1
+  # Verification is not inside the stage loop, and there is no third loop level.
+  assert not _switches(_body(stages), S_MAX) and not _whiles(_body(stages))
+  # Branch s verifies 1 + s * gamma tokens (their positions are an iota of that length).
+  (switch,) = _switches(_body(rounds), S_MAX)
+  widths = {1 + s * GAMMA for s in range(1, S_MAX + 1)}
+  for s, branch in enumerate(switch.params["branches"], start=1):
+    assert _iota_lengths(branch.jaxpr) & widths == {1 + s * GAMMA}
+
+def test_ar_and_sd_programs_have_no_stage_loop(tiny, drafter):
+  """ar: one loop, no verify switch; sd: the round loop holds a one-stage loop and one width."""
+  ar = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8).jaxpr
+  (rounds,) = _whiles(ar)
+  assert not _whiles(_body(rounds)) and not _control_flow(_body(rounds))
+  sd = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="sd", drafter=drafter,
+                           block_size=GAMMA).jaxpr
+  (rounds,) = _whiles(sd)
+  assert len(_whiles(_body(rounds))) == 1
+  assert not [e for e in _control_flow(_body(rounds))
+              if e.primitive.name == "cond" and len(e.params["branches"]) > 1]
