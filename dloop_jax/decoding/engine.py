@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -335,7 +336,8 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
                       f" in one stage ({limit}).")
   if not isinstance(max_stages, int) or max_stages < 1:
     raise ConfigError(f"max_stages (S_max) must be an int >= 1, got {max_stages!r}.")
-  if not isinstance(gate, (int, float)) or math.isnan(gate):
+  if (isinstance(gate, bool) or not isinstance(gate, (numbers.Real, np.floating, np.integer))
+      or math.isnan(float(gate))):
     raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
   drafter.check_target(target.config)
 

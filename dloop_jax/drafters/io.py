@@ -165,6 +165,23 @@ def shipped_drafters() -> list[str]:
                 if os.path.exists(os.path.join(WEIGHTS_DIR, n, INFO_FILE)))
 
 
+def shipped_drafters_for(target_config: Any) -> list[str]:
+  """Names of shipped drafters trained for this target, best first.
+
+  "Best" is the order of `drafter.json`'s `rank` (lower first; set when a
+  drafter is shipped, from the benchmark), then the name.
+  """
+  found = []
+  for name in shipped_drafters():
+    info = read_info(os.path.join(WEIGHTS_DIR, name))
+    try:
+      check_target(info, target_config, source=name)
+    except DrafterMismatchError:
+      continue
+    found.append((int(info.get("rank", 1_000)), name))
+  return [name for _, name in sorted(found)]
+
+
 def resolve(name_or_path: str | os.PathLike) -> str:
   """An export directory from a path, a training workdir or a shipped name."""
   p = os.fspath(name_or_path)

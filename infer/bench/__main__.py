@@ -1,0 +1,275 @@
+"""`python -m infer.bench`: DLoop against autoregressive, standard speculative decoding and HF.
+
+    python -m infer.bench --out bench_out                   # 20 prompts per category, 256 tokens
+    python -m infer.bench --quick --out bench_out           # 3 prompts per category
+    python -m infer.bench --drafters NAME_OR_PATH,... --sweep --out bench_out
+
+Methods, measured in one run on the same prompts, interleaved per prompt (the
+order rotates from prompt to prompt) after a warm-up: our `ar`; for every
+drafter our `sd` and `dloop` with the same gamma (the drafter's trained block
+size unless --block-size); HF transformers (PyTorch) greedy `generate()` and
+its prompt-lookup decoding on the same weights and threads (--no-peers leaves
+them out). Greedy by default; every output is compared with our `ar` output
+(identical, or differing only after a near-tie of the target, DESIGN.md §4).
+
+Writes DIR/results.json (`rows`: one per category x method x drafter, plus
+`overall`; `records`: one per prompt x method; `sweep`), DIR/results.md and
+DIR/speedup.png (and DIR/gate_sweep.png with --sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+
+def _floats(text: str) -> list[float]:
+  return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default="smollm2-135m-instruct",
+                 help="registry name or .gguf path (the HF peers need a GGUF file)")
+  p.add_argument("--drafters", default="",
+                 help="comma-separated drafter names / export dirs (default: every drafter"
+                      " shipped for the target)")
+  p.add_argument("--categories", default="math,code,chat")
+  p.add_argument("--prompts-per-category", type=int, default=20)
+  p.add_argument("--quick", action="store_true", help="3 prompts per category")
+  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--max-prompt-tokens", type=int, default=512,
+                 help="skip prompts longer than this (after the chat template)")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--block-size", type=int, default=None,
+                 help="gamma for sd and dloop (default: each drafter's trained block size)")
+  p.add_argument("--gate", type=float, default=-0.5, help="DLoop gate g")
+  p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
+  p.add_argument("--no-peers", action="store_true", help="leave out the transformers peers")
+  p.add_argument("--pld-tokens", type=int, default=10,
+                 help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
+  p.add_argument("--sweep", action="store_true",
+                 help="also sweep DLoop's gate and S_max (writes gate_sweep.png)")
+  p.add_argument("--sweep-gates", type=_floats, default=_floats("-2,-1,-0.75,-0.5,-0.25,0"))
+  p.add_argument("--sweep-max-stages", type=_ints, default=_ints("2,3,4"))
+  p.add_argument("--sweep-prompts", type=int, default=2,
+                 help="prompts per category of the main run reused by the sweep")
+  p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
+  p.add_argument("--out", default="bench_out", help="output directory")
+  return p.parse_args(argv)
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def _machine(threads: int) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  info = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+              cpu_count=os.cpu_count(), python=platform.python_version(), jax=jax.__version__,
+              devices=[str(d) for d in jax.devices()], torch_threads=threads)
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    info["torch"] = torch.__version__
+  except ImportError:
+    pass
+  return info
+
+
+def _record(prompt, method, run, *, prompt_len: int) -> dict:
+  return dict(category=prompt.category, set=prompt.set_name, prompt_id=prompt.id,
+              prompt_tokens=prompt_len, method=method.method,
+              drafter=getattr(method, "drafter_label", "") or "",
+              new_tokens=len(run.tokens), seconds=run.seconds,
+              compile_seconds=run.compile_seconds, rounds=run.rounds,
+              committed_in_rounds=run.committed_in_rounds,
+              stage_histogram=run.stage_histogram, target_forwards=run.target_forwards,
+              drafter_forwards=run.drafter_forwards, target_tokens=run.target_tokens,
+              tokens=run.tokens)
+
+
+def _check_against_ar(target, prompt_ids, ar_tokens, rec, *, greedy: bool) -> None:
+  from dloop_jax.decoding import lossless  # pylint: disable=g-import-not-at-top
+  if not greedy:
+    rec.update(identical_to_ar=None, lossless_vs_ar=None)
+    return
+  cmp = lossless.compare(target, prompt_ids, ar_tokens, rec["tokens"])
+  rec.update(identical_to_ar=cmp.identical, lossless_vs_ar=cmp.lossless,
+             first_difference=cmp.first_difference, top2_gap=cmp.top2_gap)
+
+
+def main(argv=None) -> int:
+  args = _parse(argv)
+  cache_dir = os.environ.get("DLOOP_JAX_CACHE", os.path.join(
+      os.path.expanduser("~"), ".cache", "dloop_jax", "jax_compilation"))
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+  from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
+  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
+  from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
+  from infer.bench import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
+  from infer.bench import report  # pylint: disable=g-import-not-at-top
+
+  try:
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    per_category = 3 if args.quick else args.prompts_per_category
+    if per_category < 1:
+      raise DLoopError("--prompts-per-category must be >= 1.")
+    t0 = time.perf_counter()
+    target = registry.load_target(args.target)
+    tok = target.tokenizer
+    if tok is None:
+      raise DLoopError(f"Target {target.name!r} has no tokenizer; the benchmark needs one.")
+    stops = list(tok.stop_token_ids)
+    _log(f"[bench] target {target.name} loaded in {time.perf_counter() - t0:.1f}s")
+
+    names = [n for n in args.drafters.split(",") if n.strip()] or drafter_io.shipped_drafters_for(
+        target.model.config)
+    drafters = []
+    for name in names:
+      d = drafter_io.load_drafter(name, target=target.model)
+      label = os.path.basename(os.path.normpath(name))
+      if label == "export":
+        label = os.path.basename(os.path.dirname(os.path.normpath(name)))
+      drafters.append((label, d))
+      _log(f"[bench] drafter {label}: {d.name}, block size {d.block_size}")
+    if not drafters:
+      _log("[bench] no drafter for this target: measuring ar and the peers only")
+
+    categories = [c for c in args.categories.split(",") if c.strip()]
+    candidates = prompts_lib.load(categories, per_category=per_category, data_dir=args.data_dir)
+    prompts, skipped = [], 0
+    counts = {c: 0 for c in categories}
+    for p in candidates:
+      if counts[p.category] >= per_category:
+        continue
+      ids = tok.apply_chat_template([{"role": "user", "content": p.text}],
+                                    add_generation_prompt=True)
+      if len(ids) > args.max_prompt_tokens:
+        skipped += 1
+        continue
+      prompts.append((p, ids))
+      counts[p.category] += 1
+    _log(f"[bench] {len(prompts)} prompts ({counts}); {skipped} skipped as longer than"
+         f" {args.max_prompt_tokens} tokens")
+
+    common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
+                  seed=args.seed)
+    methods = [methods_lib.Ours(method="ar", target=target.model, **common)]
+    for label, d in drafters:
+      for mode in ("sd", "dloop"):
+        methods.append(methods_lib.Ours(
+            method=mode, target=target.model, drafter=d, drafter_label=label,
+            block_size=args.block_size, gate=args.gate, max_stages=args.max_stages, **common))
+    threads = os.cpu_count() or 1
+    if not args.no_peers:
+      hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
+      pad = tok.pad_token_id
+      for lookup in (0, args.pld_tokens):
+        methods.append(methods_lib.HFPeer(model=hf_model, prompt_lookup=lookup,
+                                          pad_token_id=pad, **common))
+
+    # Warm-up: compile our programs for the first prompt's shapes, warm up torch.
+    _log(f"[bench] warm-up of {len(methods)} methods")
+    for m in methods:
+      m.run(prompts[0][1])
+
+    records = []
+    for i, (p, ids) in enumerate(prompts):
+      order = methods[i % len(methods):] + methods[:i % len(methods)]
+      runs = {id(m): m.run(ids) for m in order}
+      recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
+      ar_tokens = recs[0]["tokens"]
+      for rec in recs:
+        _check_against_ar(target.model, ids, ar_tokens, rec, greedy=sampling.greedy)
+      records.extend(recs)
+      parts = []
+      for m, rec in zip(methods, recs):
+        tps = rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
+        tau = (f" τ {rec['committed_in_rounds'] / rec['rounds']:.2f}"
+               if rec["rounds"] and m.method in ("sd", "dloop") else "")
+        same = "" if rec.get("lossless_vs_ar") in (None, True) else " DIFFERS"
+        parts.append(f"{m.label} {tps:.1f}{tau}{same}")
+      _log(f"[bench {i + 1}/{len(prompts)} {p.category}/{p.set_name}] {len(ids)} prompt tokens,"
+           f" {recs[0]['new_tokens']} new | " + " | ".join(parts))
+
+    sweep = []
+    if args.sweep and drafters:
+      sweep = _sweep(args, prompts, records, drafters, target, common, methods_lib)
+
+    rows = report.summarize(records)
+    os.makedirs(args.out, exist_ok=True)
+    config = {k: v for k, v in vars(args).items()}
+    config.update(prompts_per_category=per_category,
+                  block_sizes={label: args.block_size or d.block_size for label, d in drafters})
+    result = dict(config=config, machine=_machine(threads), rows=rows, records=records,
+                  sweep=sweep)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+      json.dump(result, f, indent=1)
+    table = report.markdown(rows)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+      f.write(table + "\n")
+    report.plot_speedups(rows, os.path.join(args.out, "speedup.png"))
+    if sweep:
+      report.plot_sweep(sweep, os.path.join(args.out, "gate_sweep.png"))
+    print(table)
+    _log(f"[bench] wrote {args.out}/results.json, results.md, speedup.png"
+         + (", gate_sweep.png" if sweep else ""))
+  except DLoopError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> list[dict]:
+  """DLoop over gate x S_max on the first --sweep-prompts prompts of each category."""
+  chosen, seen = [], {}
+  for p, ids in prompts:
+    if seen.get(p.category, 0) < args.sweep_prompts:
+      chosen.append((p, ids))
+      seen[p.category] = seen.get(p.category, 0) + 1
+  keys = {(p.category, p.id) for p, _ in chosen}
+  ar = [r for r in records if r["method"] == "ar" and (r["category"], r["prompt_id"]) in keys]
+  ar_tps = sum(r["new_tokens"] for r in ar) / max(sum(r["seconds"] for r in ar), 1e-9)
+  points = []
+  for label, d in drafters:
+    m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
+                         block_size=args.block_size, **common)
+    for s_max in args.sweep_max_stages:
+      m.run(chosen[0][1], max_stages=s_max)  # compile (the gate is traced: once per S_max)
+      for g in args.sweep_gates:
+        runs = [m.run(ids, gate=g, max_stages=s_max) for _, ids in chosen]
+        tokens = sum(len(r.tokens) for r in runs)
+        seconds = sum(r.seconds for r in runs)
+        rounds = sum(r.rounds for r in runs)
+        hist = [sum(h) for h in zip(*[r.stage_histogram for r in runs])]
+        point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(runs),
+                     tokens_per_second=tokens / seconds,
+                     speedup_vs_ar=tokens / seconds / ar_tps,
+                     acceptance_length=sum(r.committed_in_rounds for r in runs) / max(rounds, 1),
+                     stages_per_round=sum(i * c for i, c in enumerate(hist)) / max(sum(hist), 1))
+        points.append(point)
+        _log(f"[sweep {label}] S_max {s_max} g {g:+.2f}: τ {point['acceptance_length']:.2f},"
+             f" {point['stages_per_round']:.2f} stages/round,"
+             f" speedup {point['speedup_vs_ar']:.2f}×")
+  return points
+
+
+if __name__ == "__main__":
+  sys.exit(main())

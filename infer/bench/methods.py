@@ -1,0 +1,128 @@
+"""The methods a benchmark compares, behind one call: `method.run(prompt_ids) -> Run`.
+
+    ours   ar                       dloop_jax generate(mode="ar")
+           sd / dloop (per drafter) dloop_jax generate(mode=..., drafter=...)
+    peers  hf                       transformers (PyTorch) greedy generate()
+           hf_pld                   transformers prompt-lookup decoding
+                                    (generate(prompt_lookup_num_tokens=...))
+
+The peers run the same weights: transformers dequantizes the same GGUF file.
+Our `seconds` exclude compilation (reported apart); the peers are warmed up
+once before timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+  """One prompt's result under one method."""
+
+  tokens: list[int]
+  seconds: float
+  compile_seconds: float = 0.0
+  rounds: int = 0  # target verifications (ours), 0 for peers
+  committed_in_rounds: int = 0
+  stage_histogram: list[int] = dataclasses.field(default_factory=list)
+  target_forwards: int = 0
+  drafter_forwards: int = 0
+  target_tokens: int = 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class Ours:
+  """A mode of our `generate()` (with a drafter for sd / dloop)."""
+
+  method: str  # "ar" | "sd" | "dloop"
+  target: Any  # Transformer
+  drafter: Any = None
+  drafter_label: str = ""
+  block_size: int | None = None
+  gate: float = -0.5
+  max_stages: int = 3
+  max_new_tokens: int = 256
+  sampling: SamplingConfig = SamplingConfig()
+  stop_tokens: Sequence[int] = ()
+  seed: int = 0
+
+  @property
+  def label(self) -> str:
+    return self.method if not self.drafter_label else f"{self.method}[{self.drafter_label}]"
+
+  def run(self, prompt_ids: Sequence[int], *, gate: float | None = None,
+          max_stages: int | None = None) -> Run:
+    out = generate(
+        self.target, [list(prompt_ids)], max_new_tokens=self.max_new_tokens, mode=self.method,
+        drafter=self.drafter if self.method != "ar" else None, block_size=self.block_size,
+        gate=self.gate if gate is None else gate,
+        max_stages=self.max_stages if max_stages is None else max_stages,
+        sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens)
+    row = out.rows[0]
+    return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
+               rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,
+               stage_histogram=list(row.stage_histogram), target_forwards=row.target_forwards,
+               drafter_forwards=row.drafter_forwards, target_tokens=row.target_tokens)
+
+
+def load_hf_reference(gguf_path: str, *, threads: int | None = None):
+  """transformers (PyTorch, f32) model of the same GGUF file."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ConfigError("The transformers peers need PyTorch: pip install -e '.[test]' (or"
+                      " torch==2.13.0), or leave them out with --no-peers.") from e
+  torch.set_num_threads(threads or os.cpu_count() or 1)
+  folder, name = os.path.split(os.fspath(gguf_path))
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, gguf_file=name, dtype=torch.float32)
+  return model.eval()
+
+
+@dataclasses.dataclass(kw_only=True)
+class HFPeer:
+  """transformers `generate()` on the same weights: greedy, or prompt lookup."""
+
+  model: Any
+  prompt_lookup: int = 0  # > 0: prompt-lookup decoding with this many draft tokens
+  max_new_tokens: int = 256
+  sampling: SamplingConfig = SamplingConfig()
+  stop_tokens: Sequence[int] = ()
+  pad_token_id: int = 0
+  seed: int = 0
+
+  @property
+  def method(self) -> str:
+    return "hf_pld" if self.prompt_lookup else "hf"
+
+  label = method
+
+  def run(self, prompt_ids: Sequence[int], **unused) -> Run:
+    import torch  # pylint: disable=g-import-not-at-top
+    del unused
+    kwargs: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens,
+                                  eos_token_id=list(self.stop_tokens) or None,
+                                  pad_token_id=self.pad_token_id)
+    if self.sampling.greedy:
+      kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+      torch.manual_seed(self.seed)
+      kwargs.update(do_sample=True, temperature=self.sampling.temperature,
+                    top_p=self.sampling.top_p, top_k=self.sampling.top_k or None)
+    if self.prompt_lookup:
+      kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
+    ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long)
+    with torch.no_grad():
+      t0 = time.perf_counter()
+      out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+      seconds = time.perf_counter() - t0
+    return Run(tokens=out[0, ids.shape[1]:].tolist(), seconds=seconds)

@@ -1,0 +1,132 @@
+"""Benchmark results: per-prompt records -> rows per (category, method, drafter), table, plots.
+
+A record is one prompt under one method (see `__main__`): new tokens, seconds,
+rounds, ..., and `identical_to_ar` / `lossless_vs_ar` (near-tie rule). Rows sum
+tokens and seconds over a category's prompts (tokens/s = total tokens / total
+seconds) and compare with our `ar` on the same prompts.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable, Sequence
+
+OVERALL = "overall"
+
+
+def _row(category: str, method: str, drafter: str, recs: Sequence[dict],
+         ar_tps: float | None) -> dict:
+  tokens = sum(r["new_tokens"] for r in recs)
+  seconds = sum(r["seconds"] for r in recs)
+  rounds = sum(r["rounds"] for r in recs)
+  committed = sum(r["committed_in_rounds"] for r in recs)
+  hist = collections.Counter()
+  for r in recs:
+    for stages, count in enumerate(r.get("stage_histogram") or []):
+      hist[stages] += count
+  verifications = sum(hist.values())
+  tps = tokens / seconds if seconds > 0 else 0.0
+  checked = [r for r in recs if r.get("lossless_vs_ar") is not None]
+  return dict(
+      category=category, method=method, drafter=drafter, prompts=len(recs),
+      new_tokens=tokens, seconds=seconds, tokens_per_second=tps,
+      speedup_vs_ar=(tps / ar_tps) if ar_tps else None,
+      acceptance_length=(committed / rounds) if rounds else None,
+      stages_per_round=(sum(s * c for s, c in hist.items()) / verifications
+                        if verifications else None),
+      target_forwards=sum(r["target_forwards"] for r in recs) or None,
+      drafter_forwards=sum(r["drafter_forwards"] for r in recs) or None,
+      compile_seconds=sum(r.get("compile_seconds", 0.0) for r in recs),
+      identical_to_ar=(sum(bool(r["identical_to_ar"]) for r in checked) / len(checked)
+                       if checked else None),
+      lossless_vs_ar=(sum(bool(r["lossless_vs_ar"]) for r in checked) / len(checked)
+                      if checked else None))
+
+
+def summarize(records: Iterable[dict]) -> list[dict]:
+  """Rows per (category, method, drafter), then the same over all categories ("overall")."""
+  records = list(records)
+  groups: dict[tuple, list[dict]] = collections.defaultdict(list)
+  for r in records:
+    groups[(r["category"], r["method"], r["drafter"])].append(r)
+    groups[(OVERALL, r["method"], r["drafter"])].append(r)
+  ar_tps = {}
+  for (category, method, _), recs in groups.items():
+    if method == "ar":
+      s = sum(r["seconds"] for r in recs)
+      ar_tps[category] = sum(r["new_tokens"] for r in recs) / s if s > 0 else None
+  order = {m: i for i, m in enumerate(("ar", "sd", "dloop", "hf", "hf_pld"))}
+  keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], order.get(k[1], 9), k[2]))
+  return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c)) for c, m, d in keys]
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "–"
+  return f"{x:{spec}}{suffix}"
+
+
+def markdown(rows: Sequence[dict]) -> str:
+  """The results table (one line per category, method and drafter)."""
+  head = ("| category | method | drafter | prompts | tokens/s | speedup vs ar | τ |"
+          " stages/round | identical to ar | lossless (near-tie rule) |")
+  lines = [head, "|" + "---|" * 10]
+  for r in rows:
+    lines.append(
+        f"| {r['category']} | {r['method']} | {r['drafter'] or '–'} | {r['prompts']} |"
+        f" {_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} |"
+        f" {_fmt(r['acceptance_length'])} | {_fmt(r['stages_per_round'])} |"
+        f" {_fmt(r['identical_to_ar'], '.0%')} | {_fmt(r['lossless_vs_ar'], '.0%')} |")
+  return "\n".join(lines)
+
+
+def _label(row: dict) -> str:
+  return row["method"] if not row["drafter"] else f"{row['method']}\n{row['drafter']}"
+
+
+def plot_speedups(rows: Sequence[dict], path: str) -> None:
+  """Grouped bars: speedup vs our ar, per category (groups) and method (bars)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  categories = list(dict.fromkeys(r["category"] for r in rows))
+  methods = list(dict.fromkeys(_label(r) for r in rows if r["method"] != "ar"))
+  by = {(r["category"], _label(r)): r["speedup_vs_ar"] or 0.0 for r in rows}
+  width = 0.8 / max(1, len(methods))
+  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(categories) * max(1, len(methods)) / 2), 4))
+  for i, m in enumerate(methods):
+    xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(categories))]
+    bars = ax.bar(xs, [by.get((c, m), 0.0) for c in categories], width, label=m.replace("\n", " "))
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+  ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+  ax.set_xticks(range(len(categories)), categories)
+  ax.set_ylabel("speedup vs our autoregressive")
+  ax.legend(fontsize=7, ncols=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_sweep(points: Sequence[dict], path: str) -> None:
+  """tau and speedup against the gate g, one line per S_max (and drafter)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
+  series = collections.defaultdict(list)
+  for p in points:
+    series[(p["drafter"], p["max_stages"])].append(p)
+  for (drafter, s_max), pts in sorted(series.items()):
+    pts = sorted(pts, key=lambda p: p["gate"])
+    label = f"{drafter}, S_max={s_max}"
+    ax_tau.plot([p["gate"] for p in pts], [p["acceptance_length"] for p in pts], "o-", label=label)
+    ax_speed.plot([p["gate"] for p in pts], [p["speedup_vs_ar"] for p in pts], "o-", label=label)
+  for ax, name in ((ax_tau, "acceptance length τ"), (ax_speed, "speedup vs autoregressive")):
+    ax.set_xlabel("gate g")
+    ax.set_ylabel(name)
+    ax.grid(alpha=0.3)
+  ax_speed.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
