@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -10,7 +11,11 @@ import numpy as np
 import torch
 import transformers
 
+from dloop_jax.models import LoadedTarget, load_target
+
 torch.set_num_threads(2)
+
+REAL_MODEL = "smollm2-135m-instruct"
 
 # Shared by every tiny config: small enough to compile and run in a second.
 _BASE = dict(
@@ -73,6 +78,21 @@ def torch_logits(model: transformers.PreTrainedModel, tokens: np.ndarray) -> np.
   """[B, T, V] float32 logits of the reference forward."""
   with torch.no_grad():
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+@functools.cache
+def real_pair() -> tuple[LoadedTarget, transformers.PreTrainedModel]:
+  """(our LoadedTarget, transformers' model from the same GGUF) of the default model.
+
+  Loaded once per test process: the parity and the generation tests share it.
+  The reference runs in f32 with eager attention on transformers' own
+  dequantization of the GGUF weights.
+  """
+  target = load_target(REAL_MODEL)
+  folder, name = os.path.split(target.source)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
+  return target, reference
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

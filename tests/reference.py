@@ -9,10 +9,18 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from dloop_jax.decoding.sampling import processed_probs
+from dloop_jax.models.transformer import Transformer
 
 
 def last_logits(target, contexts: list[list[int]]) -> np.ndarray:
-  """[N, V] next-token logits after each of N equally long contexts (no cache reuse)."""
+  """[N, V] next-token logits after each of N equally long contexts (no cache reuse).
+
+  `target` is our Transformer, or a transformers (PyTorch) causal LM such as
+  the reference of `model_fixtures.real_pair`.
+  """
+  if not isinstance(target, Transformer):
+    import model_fixtures  # imports torch: only when a PyTorch model is passed
+    return model_fixtures.torch_logits(target, np.asarray(contexts))[:, -1]
   tokens = jnp.asarray(contexts, jnp.int32)
   b, t = tokens.shape
   cache = target.init_cache(batch_size=b, capacity=t)

@@ -159,12 +159,8 @@ REAL_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def real_pair():
-  """(our LoadedTarget, transformers' model from the same GGUF), loaded once."""
-  target = load_target("smollm2-135m-instruct")
-  folder, name = os.path.split(target.source)
-  reference = transformers.AutoModelForCausalLM.from_pretrained(
-      folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()
-  return target, reference
+  """(our LoadedTarget, transformers' model from the same GGUF), loaded once per process."""
+  return model_fixtures.real_pair()
 
 
 @pytest.mark.real_model

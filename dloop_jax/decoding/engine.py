@@ -319,22 +319,27 @@ def _bucket(n: int, *, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def _is_int(value) -> bool:
+  """An int or a numpy integer; not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target) -> None:
   if mode not in MODES:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
   if mode == "ar":
     return
   if drafter is None:
     raise ConfigError(f"mode {mode!r} needs a drafter (pass drafter=...), or use mode='ar'.")
-  if not isinstance(block_size, int) or block_size < 1:
+  if not _is_int(block_size) or block_size < 1:
     raise ConfigError(f"block_size (gamma) must be an int >= 1, got {block_size!r}.")
   limit = drafter.max_block_size()
   if limit is not None and block_size > limit:
     raise ConfigError(f"block_size {block_size} exceeds what drafter {drafter.name!r} can draft"
                       f" in one stage ({limit}).")
-  if not isinstance(max_stages, int) or max_stages < 1:
+  if not _is_int(max_stages) or max_stages < 1:
     raise ConfigError(f"max_stages (S_max) must be an int >= 1, got {max_stages!r}.")
   if (isinstance(gate, bool) or not isinstance(gate, (numbers.Real, np.floating, np.integer))
       or math.isnan(float(gate))):
@@ -384,8 +389,8 @@ def _prepare(
         " shorten the prompt or ask for fewer new tokens.")
 
   is_ar = mode == "ar"
-  s_max = 1 if is_ar else max_stages
-  gamma = 0 if is_ar else block_size
+  s_max = 1 if is_ar else int(max_stages)
+  gamma = 0 if is_ar else int(block_size)
   tp = _bucket(longest)
   capacity = _bucket(tp + max_new_tokens + s_max * gamma + 1, minimum=64)
   target_graph, target_state = nnx.split(target)
@@ -393,7 +398,7 @@ def _prepare(
                                    else (None, None))
   static = _Static(
       target_graph=target_graph, drafter_graph=drafter_graph, mode=mode, block_size=gamma,
-      max_stages=s_max, sampling=sampling, max_new_tokens=max_new_tokens,
+      max_stages=s_max, sampling=sampling, max_new_tokens=int(max_new_tokens),
       stop_tokens=tuple(sorted(set(int(t) for t in stop_tokens))),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
       prompt_width=tp, capacity=capacity)

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 
 from dloop_jax.errors import ConfigError
+
+
+def _is_real(value) -> bool:
+  """An int, float or numpy number; not a bool."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,13 +38,19 @@ class SamplingConfig:
 
   def __post_init__(self):
     t = self.temperature
-    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+    if not _is_real(t) or math.isnan(t) or t < 0 or math.isinf(t):
       raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}.")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ConfigError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}.")
+    k = self.top_k
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+      raise ConfigError(f"top_k must be an int >= 0 (0 = no limit), got {k!r}.")
     p = self.top_p
-    if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
+    if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0:
       raise ConfigError(f"top_p must be in (0, 1], got {p!r}.")
+    # Plain Python numbers (numpy scalars are accepted): the config is part of
+    # the key of compiled programs.
+    object.__setattr__(self, "temperature", float(t))
+    object.__setattr__(self, "top_k", int(k))
+    object.__setattr__(self, "top_p", float(p))
 
   @property
   def greedy(self) -> bool:

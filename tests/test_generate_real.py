@@ -1,0 +1,96 @@
+"""Greedy generation with the real default model (SmolLM2-135M-Instruct GGUF).
+
+(a) Our jit `generate(mode="ar")` continues chat prompts exactly like
+    transformers' PyTorch `generate(do_sample=False)` on the same weights.
+(b) A batch of prompts of different lengths gives every row the tokens it gets
+    alone.
+
+Near-tie rule (DESIGN.md section 4): sequences are identical, or at their first
+difference the top-2 logit gap of the model that produced the expected sequence
+is below 1e-3; after such a flip the rest need not match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model_fixtures
+from dloop_jax.decoding import generate
+from lossless import assert_same_or_near_tie
+
+pytestmark = pytest.mark.real_model
+
+MAX_NEW = 64
+BATCH_MAX_NEW = 24
+
+CHATS = [
+    [{"role": "user", "content": "Explain photosynthesis to a ten year old in a few sentences."}],
+    [{"role": "user", "content": "Write a haiku about rain."}],
+    [{"role": "user", "content": "List three prime numbers greater than 50."}],
+    [{"role": "system", "content": "You are a careful Python programmer."},
+     {"role": "user", "content": "Write a function that reverses a string, with a docstring."}],
+    [{"role": "user", "content": "Give me a name for a cat."},
+     {"role": "assistant", "content": "How about Biscuit?"},
+     {"role": "user", "content": "Why that one? Answer in two sentences."}],
+]
+
+
+@pytest.fixture(scope="module")
+def real():
+  """(our LoadedTarget, transformers' model from the same GGUF), loaded once per process."""
+  return model_fixtures.real_pair()
+
+
+def _cut_at_stop(row: list[int], stop: list[int]) -> list[int]:
+  """Tokens up to and including the first stop token."""
+  return next((row[:i + 1] for i, t in enumerate(row) if t in stop), row)
+
+
+def _transformers_greedy(reference, prompts: list[list[int]], max_new_tokens: int,
+                         stop: list[int]) -> list[list[int]]:
+  """New tokens of transformers' greedy `generate()`: one left-padded batch."""
+  width = max(len(p) for p in prompts)
+  ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in prompts])
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  with torch.no_grad():
+    out = reference.generate(ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=stop,
+                             pad_token_id=stop[0])
+  return [_cut_at_stop(row, stop) for row in out[:, width:].tolist()]
+
+
+def test_greedy_matches_transformers(real):
+  """64 greedy tokens on 5 chat prompts equal transformers' greedy generate()."""
+  target, reference = real
+  tok = target.tokenizer
+  stop = list(tok.stop_token_ids)
+  prompts = [tok.apply_chat_template(chat) for chat in CHATS]
+  ours = generate(target.model, prompts, max_new_tokens=MAX_NEW, mode="ar", stop_tokens=stop)
+  theirs = _transformers_greedy(reference, prompts, MAX_NEW, stop)
+  for prompt, want, got in zip(prompts, theirs, ours.tokens):
+    assert len(got) == MAX_NEW or got[-1] in stop
+    assert_same_or_near_tie(reference, prompt, want, got)
+  # The comparison has substance: long answers, and one that ends on a stop token.
+  assert sum(len(t) for t in theirs) >= 3 * MAX_NEW
+  assert any(len(t) < MAX_NEW and t[-1] in stop for t in theirs)
+
+
+def test_batch_equals_each_prompt_alone(real):
+  """Rows of a batch of different prompt lengths get the tokens they get alone."""
+  target, _ = real
+  tok = target.tokenizer
+  stop = list(tok.stop_token_ids)
+  prompts = [
+      tok.encode("The three primary colors are"),
+      tok.apply_chat_template(CHATS[1]),
+      tok.apply_chat_template(CHATS[3]),
+      tok.apply_chat_template(CHATS[4]),
+  ]
+  lengths = [len(p) for p in prompts]
+  assert len(set(lengths)) == 4 and max(lengths) - min(lengths) >= 30, lengths
+  batched = generate(target.model, prompts, max_new_tokens=BATCH_MAX_NEW, stop_tokens=stop)
+  for prompt, got in zip(prompts, batched.tokens):
+    alone = generate(target.model, [prompt], max_new_tokens=BATCH_MAX_NEW, stop_tokens=stop)
+    assert_same_or_near_tie(target.model, prompt, alone.tokens[0], got)
+    assert len(got) == BATCH_MAX_NEW or got[-1] in stop
