@@ -6,6 +6,10 @@
     python -m train --config configs/smollm2_eagle3_loop.py --workdir runs/smollm2_eagle3_loop \
         --config.data.path=<dataset dir> --config.init_from=runs/smollm2_eagle3
 
+The drafter shipped in the package was trained on a 2-core CPU with the `cpu`
+and `cpu_loop` recipes (`--config configs/smollm2_eagle3.py:cpu`); see
+docs/drafters_smollm2.md for the exact commands.
+
 On accelerators add `--config.target.dtype=bfloat16` and size the mesh, e.g.
 `--config.mesh.data=-1 --config.mesh.fsdp=4`.
 """
@@ -41,6 +45,29 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.num_steps = 5_000
     c.optim.learning_rate = 3e-5
     c.optim.warmup_steps = 100
+  elif recipe in ("cpu", "cpu_loop"):
+    # The shipped drafter: a short schedule that fits a 2-core CPU (about one
+    # epoch of ~1,000 regenerated ShareGPT answers, then a loop-aware pass).
+    # TTT unrolls one stage (gamma = 4 steps); stages beyond it are what the
+    # loop-aware fine-tune teaches.
+    c.data.batch_size = 4
+    c.data.seq_len = 512
+    c.data.options = ConfigDict(dict(pack=True))
+    c.objective_cfg.ttt_steps = 4
+    c.num_steps = 180
+    c.log_every_steps = 10
+    c.optim.learning_rate = 1e-3
+    c.optim.warmup_steps = 15
+    c.checkpoint.every_steps = 30
+    c.checkpoint.keep = 2
+    if recipe == "cpu_loop":
+      c.objective = "loop_aware"
+      c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="eagle3_ttt",
+                                        step_decay=0.8))
+      c.data.seq_len = 256
+      c.num_steps = 120
+      c.optim.learning_rate = 3e-4
+      c.optim.warmup_steps = 5
   elif recipe:
-    raise ValueError(f"Unknown recipe {recipe!r}; use '' or 'loop'.")
+    raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu' or 'cpu_loop'.")
   return c

@@ -30,7 +30,8 @@ def _parse(argv):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--mode", choices=("ar", "sd", "dloop"), default=None,
                  help="default: dloop when a drafter is available for the target, else ar")
-  p.add_argument("--drafter", help="drafter name or exported drafter directory")
+  p.add_argument("--drafter", help="drafter name or exported drafter directory (default: the"
+                                    " best drafter shipped for the target)")
   p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
   p.add_argument("--max-stages", type=int, default=3, help="S_max: stages per verification")
@@ -60,9 +61,12 @@ def main(argv=None) -> int:
     else:
       prompts = [args.prompt or "What is the capital of France?"]
     drafter = None
-    if args.drafter:
-      from dloop_jax.drafters.io import load_drafter
-      drafter = load_drafter(args.drafter, target=target.model)
+    if args.mode != "ar":
+      from dloop_jax.drafters import io as drafter_io
+      # Without --drafter: the best drafter shipped for this target, if any.
+      name = args.drafter or next(iter(drafter_io.shipped_drafters_for(target.config)), None)
+      if name:
+        drafter = drafter_io.load_drafter(name, target=target.model)
     mode = args.mode or ("dloop" if drafter is not None else "ar")
     if mode != "ar" and drafter is None:
       raise DLoopError(
