@@ -187,8 +187,9 @@ def main(argv=None) -> int:
 
     # Warm-up: compile our programs for the first prompt's shapes, warm up torch.
     _log(f"[bench] warm-up of {len(methods)} methods")
+    first_compile = {}
     for m in methods:
-      m.run(prompts[0][1])
+      first_compile[m.label] = m.run(prompts[0][1]).compile_seconds
 
     records = []
     for i, (p, ids) in enumerate(prompts):
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     config.update(prompts_per_category=per_category,
                   block_sizes={label: args.block_size or d.block_size for label, d in drafters})
     result = dict(config=config, machine=_machine(threads), rows=rows, records=records,
-                  sweep=sweep)
+                  sweep=sweep, first_call_compile_seconds=first_compile)
     with open(os.path.join(args.out, "results.json"), "w") as f:
       json.dump(result, f, indent=1)
     table = report.markdown(rows)
@@ -229,6 +230,21 @@ def main(argv=None) -> int:
     if sweep:
       report.plot_sweep(sweep, os.path.join(args.out, "gate_sweep.png"))
     print(table)
+    overall = {(r["method"], r["drafter"]): r for r in rows if r["category"] == report.OVERALL}
+    print(f"\nFirst-call compile of our ar: {first_compile['ar']:.1f}s")
+    for peer in ("hf", "hf_pld"):
+      if (peer, "") in overall:
+        ratio = overall[("ar", "")]["tokens_per_second"] / overall[(peer, "")]["tokens_per_second"]
+        print(f"Our ar vs transformers {peer}: {ratio:.2f}x tokens/s")
+    for label, _ in drafters:
+      sd, dl = overall.get(("sd", label)), overall.get(("dloop", label))
+      if sd and dl:
+        tps = dl["tokens_per_second"]
+        vs_peers = "".join(f", {tps / overall[(p, '')]['tokens_per_second']:.2f}x {p}"
+                           for p in ("hf", "hf_pld") if (p, "") in overall)
+        print(f"{label}: dloop {dl['speedup_vs_ar']:.2f}x ar, {tps / sd['tokens_per_second']:.2f}x"
+              f" sd{vs_peers}; tau {dl['acceptance_length']:.2f} (dloop) vs"
+              f" {sd['acceptance_length']:.2f} (sd)")
     _log(f"[bench] wrote {args.out}/results.json, results.md, speedup.png"
          + (", gate_sweep.png" if sweep else ""))
   except DLoopError as e:
