@@ -190,6 +190,14 @@ def test_killed_build_resumes_with_finished_chunks(tmp_path):
   mtimes = {p.name: p.stat().st_mtime_ns for p in work}
   assert not any(tmp_path.rglob("dataset_info.json"))  # nothing finished
 
+  # A snapshot of the killed build: its two finished chunks, nothing generated.
+  snap = tr.build_target_responses(out_dir=out_dir, progress=False, snapshot=True,
+                                   **RESUME_BUILD)
+  assert snap.chunks_generated == 0 and snap.config.name.endswith("_snapshot")
+  assert len(_examples(snap.dataset_dir)) == 8
+  assert snap.metadata["snapshot"]["chunks_used"] == 2
+  assert len(snap.metadata["snapshot"]["missing_chunks"]) == 4
+
   seen = []
   result = tr.build_target_responses(
       out_dir=out_dir, progress=False, keep_work_dir=True,

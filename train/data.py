@@ -34,6 +34,11 @@ _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "TFDS data directory (default: config.data_dir, else the user cache).")
 _ONLY = flags.DEFINE_list(
     "only", None, "Build only these datasets (sharegpt, target_responses).")
+_SNAPSHOT = flags.DEFINE_bool(
+    "snapshot", False,
+    "target_responses: write a dataset of the chunks finished so far (by a running or killed"
+    " build of the same config) under the config name + '_snapshot', generating nothing; the"
+    " full build stays resumable.")
 flags.mark_flags_as_required(["config"])
 
 DATASETS = ("sharegpt", "target_responses")
@@ -52,7 +57,8 @@ def _disk_bytes(dataset_dir: str) -> int:
 
 
 def build_from_config(config: Any, *, data_dir: str | None = None,
-                      only: Sequence[str] | None = None, progress: bool = True) -> dict[str, Any]:
+                      only: Sequence[str] | None = None, progress: bool = True,
+                      snapshot: bool = False) -> dict[str, Any]:
   """Builds the datasets a data config names; returns a summary per dataset.
 
   Args:
@@ -60,6 +66,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
     data_dir: TFDS data directory (default: config.data_dir, else the user cache).
     only: subset of `config.datasets` to build.
     progress: progress lines on stderr.
+    snapshot: target_responses from the chunks finished so far (see --snapshot).
 
   Returns:
     `{"data_dir": ..., "<dataset>": {"dataset_dir": ..., ...}}`.
@@ -92,8 +99,14 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
       if key != "source_path":
         fields[f"sharegpt_{key}"] = value
     tr_config = tr_lib.make_config(name=name, **fields)
+    work_dir = None
+    if snapshot:
+      # The snapshot reads the full build's chunks, and never deletes them.
+      work_dir = tr_lib.default_work_dir(data_dir, tr_config)
+      tr_config, keep = tr_lib.snapshot_config(tr_config), True
     builder = tr_lib.TargetResponses(data_dir=data_dir, config=tr_config,
-                                     file_format=tfds_utils.FILE_FORMAT, progress=progress)
+                                     file_format=tfds_utils.FILE_FORMAT, progress=progress,
+                                     work_dir=work_dir, finished_chunks_only=snapshot)
     builder.download_and_prepare(download_config=tfds_utils.no_network_download_config())
     if not keep and os.path.isdir(builder.work_dir):
       import shutil  # pylint: disable=g-import-not-at-top
@@ -120,6 +133,8 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
         "taps": meta.get("taps"),
         "target_name": meta.get("target_name"),
     }
+    if "snapshot" in meta:
+      summary["target_responses"]["snapshot"] = meta["snapshot"]
   return summary
 
 
@@ -129,7 +144,8 @@ def main(argv: Sequence[str]) -> None:
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   try:
     summary = build_from_config(_CONFIG.value, data_dir=_DATA_DIR.value, only=_ONLY.value,
-                                progress=bool(_CONFIG.value.progress))
+                                progress=bool(_CONFIG.value.progress),
+                                snapshot=_SNAPSHOT.value)
   except DLoopError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -178,6 +178,17 @@ def make_config(*, name: str | None = None, **fields) -> TargetResponsesConfig:
   return dataclasses.replace(config, name=name)
 
 
+def default_work_dir(data_dir: str | os.PathLike, config: TargetResponsesConfig) -> str:
+  """Where a build of `config` under `data_dir` keeps its finished chunks."""
+  return os.path.join(os.fspath(data_dir), WORK_DIR_NAME, config.name,
+                      str(TargetResponses.VERSION))
+
+
+def snapshot_config(config: TargetResponsesConfig) -> TargetResponsesConfig:
+  """The config of a snapshot of `config`'s build: same settings, name + "_snapshot"."""
+  return dataclasses.replace(config, name=f"{config.name}_snapshot")
+
+
 def _validate(c: TargetResponsesConfig) -> None:
   if c.prompt_source not in PROMPT_SOURCES:
     raise ConfigError(f"prompt_source must be one of {PROMPT_SOURCES}, got {c.prompt_source!r}.")
@@ -342,7 +353,8 @@ class TargetResponses(LocalBuilder):
   def __init__(self, *, target_model: Any = None, tokenizer: Any = None,
                work_dir: str | None = None, progress: bool = True,
                on_chunk: Callable[..., None] | None = None,
-               sharegpt_data_dir: str | None = None, **kwargs):
+               sharegpt_data_dir: str | None = None, finished_chunks_only: bool = False,
+               **kwargs):
     """Args beyond TFDS's (`data_dir`, `config`, `file_format`, ...).
 
     Args:
@@ -356,6 +368,9 @@ class TargetResponses(LocalBuilder):
         i-th chunk (in processing order) is ready: saved, or loaded from an
         earlier run.
       sharegpt_data_dir: where the sharegpt dataset is (default: data_dir).
+      finished_chunks_only: a snapshot: write only the chunks already
+        finished in `work_dir` (generate nothing). Use another config name
+        (see `snapshot_config`) so the full build stays resumable.
     """
     self._target_model = target_model
     self._tokenizer = tokenizer
@@ -363,6 +378,7 @@ class TargetResponses(LocalBuilder):
     self._progress = progress
     self._on_chunk = on_chunk
     self._sharegpt_data_dir = sharegpt_data_dir
+    self._finished_chunks_only = finished_chunks_only
     self._resolved = None
     self.chunks_generated = 0
     self.chunks_reused = 0
@@ -469,10 +485,7 @@ class TargetResponses(LocalBuilder):
   # ------------------------------------------------------------- splits
   @property
   def work_dir(self) -> str:
-    if self._work_dir:
-      return self._work_dir
-    return os.path.join(os.fspath(self.data_dir_root), WORK_DIR_NAME, self.builder_config.name,
-                        str(self.version))
+    return self._work_dir or default_work_dir(self.data_dir_root, self.builder_config)
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
@@ -522,6 +535,7 @@ class TargetResponses(LocalBuilder):
     progress = Progress(total=n, done=0, enabled=self._progress)
     totals = {"examples": 0, "tokens": 0, "response_tokens": 0, "generation_seconds": 0.0,
               "new_tokens": 0, "compile_seconds": 0.0, "features_clipped": 0}
+    missing = []
     # Chunks hold prompts of similar length (sorted); visiting them in a
     # seeded random order keeps the tokens/s and ETA estimates unbiased.
     order = np.random.default_rng(c.seed).permutation(num_chunks)
@@ -531,6 +545,9 @@ class TargetResponses(LocalBuilder):
       index = np.arange(lo, hi, dtype=np.int64)
       arrays = _load_chunk(path, expected_index=index) if os.path.exists(path) else None
       reused = arrays is not None
+      if not reused and self._finished_chunks_only:
+        missing.append(k)
+        continue
       if reused:
         self.chunks_reused += 1
         progress.done += hi - lo
@@ -555,9 +572,16 @@ class TargetResponses(LocalBuilder):
     totals["new_tokens_per_second"] = totals["new_tokens"] / gen_s if gen_s else 0.0
     totals["new_tokens_per_second_with_compile"] = totals["new_tokens"] / wall_s if wall_s else 0.0
     self.info.metadata["totals"] = totals
+    if self._finished_chunks_only:
+      self.info.metadata["snapshot"] = {
+          "chunks_used": num_chunks - len(missing), "chunks_total": num_chunks,
+          "prompts_used": totals["examples"], "prompts_total": n,
+          "missing_chunks": sorted(missing)}
+      if not totals["examples"]:
+        raise ConfigError(f"No finished chunk in {self.work_dir}: nothing to snapshot yet.")
     if self._progress:
-      print(f"[{NAME}] {n} prompts ready ({self.chunks_reused} chunks reused,"
-            f" {self.chunks_generated} generated); writing the dataset.", file=sys.stderr,
+      print(f"[{NAME}] {totals['examples']} of {n} prompts ready ({self.chunks_reused} chunks"
+            f" reused, {self.chunks_generated} generated); writing the dataset.", file=sys.stderr,
             flush=True)
 
   def _generate_chunk(self, prompts: list[Prompt], *, lo: int, hi: int,
@@ -658,6 +682,7 @@ def build_target_responses(
     progress: bool = True,
     on_chunk: Callable[..., None] | None = None,
     sharegpt_data_dir: str | None = None,
+    snapshot: bool = False,
     **options,
 ) -> BuildResult:
   """Builds (or reuses) a `target_responses` dataset under `out_dir`.
@@ -682,6 +707,9 @@ def build_target_responses(
     progress: print progress to stderr.
     on_chunk: see `TargetResponses`.
     sharegpt_data_dir: where the sharegpt dataset is built (default out_dir).
+    snapshot: write a dataset of the chunks this build has finished so far
+      (generate nothing), under the config name + "_snapshot"; the chunks are
+      kept, so the full build stays resumable.
     **options: other `TargetResponsesConfig` fields (prompt_source,
       max_new_tokens, temperature, batch_size, chunk_size, ...).
 
@@ -705,10 +733,13 @@ def build_target_responses(
   if "batch_size" in fields and "chunk_size" not in fields:
     fields["chunk_size"] = int(fields["batch_size"]) * max(1, 64 // int(fields["batch_size"]))
   config = make_config(name=name, target=spec, taps=tuple(taps), seed=int(seed), **fields)
+  if snapshot:
+    work_dir = work_dir or default_work_dir(out_dir, config)
+    config, keep_work_dir = snapshot_config(config), True
   builder = TargetResponses(
       data_dir=out_dir, config=config, file_format=FILE_FORMAT, target_model=model,
       tokenizer=tokenizer, work_dir=work_dir, progress=progress, on_chunk=on_chunk,
-      sharegpt_data_dir=sharegpt_data_dir)
+      sharegpt_data_dir=sharegpt_data_dir, finished_chunks_only=snapshot)
   builder.download_and_prepare(download_config=no_network_download_config())
   if not keep_work_dir and os.path.isdir(builder.work_dir):
     shutil.rmtree(builder.work_dir, ignore_errors=True)
