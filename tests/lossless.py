@@ -1,12 +1,15 @@
-"""The near-tie rule of lossless comparisons (DESIGN.md §4)."""
+"""The near-tie rule of lossless comparisons (DESIGN.md §4), as a test assertion.
+
+`dloop_jax.decoding.lossless` holds the rule; this helper also accepts the
+transformers (PyTorch) reference as the target whose logit gap decides.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from dloop_jax.decoding.lossless import NEAR_TIE, first_difference
 from reference import last_logits
-
-NEAR_TIE = 1e-3
 
 
 def top2_gap(target, context: list[int]) -> float:
@@ -18,11 +21,11 @@ def top2_gap(target, context: list[int]) -> float:
 def assert_same_or_near_tie(target, prompt: list[int], expected: list[int], got: list[int],
                             *, tol: float = NEAR_TIE) -> None:
   """Token sequences are equal, or first differ at a near-tie of the target."""
-  if expected == got:
+  first = first_difference(expected, got)
+  if first is None:
     return
-  n = min(len(expected), len(got))
-  first = next((i for i in range(n) if expected[i] != got[i]), n)
-  assert first < n, f"lengths differ without a token difference: {expected} vs {got}"
+  assert first < min(len(expected), len(got)), (
+      f"lengths differ without a token difference: {expected} vs {got}")
   gap = top2_gap(target, prompt + expected[:first])
   assert gap < tol, (f"outputs differ at new token {first} where the target's top-2 logit gap is"
                      f" {gap:.3g} (not a near-tie): expected {expected} got {got}")

@@ -61,7 +61,7 @@ from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import Transformer, rms_norm
+from dloop_jax.models.transformer import Transformer, project_rows, rms_norm
 
 
 @struct.dataclass
@@ -183,14 +183,14 @@ class BlockDrafter(Drafter):
     cos, sin = self._angles(positions)
     return _rope(k, cos, sin), v
 
-  def _head(self) -> jax.Array:
-    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    return head if self.d2t is None else head[:, self.d2t[...]]
+  def _head_rows(self) -> jax.Array:
+    """The head as rows [Vd, D] (draft vocabulary only): no transposed copy of the embedding."""
+    rows = self.embed[...] if self.lm_head is None else self.lm_head[...].T
+    return rows if self.d2t is None else jnp.take(rows, self.d2t[...], axis=0)
 
   def draft_logits(self, hidden: jax.Array) -> jax.Array:
     """Block outputs [..., D] -> f32 logits over the draft vocabulary [..., Vd]."""
-    x = rms_norm(hidden, self.final_norm[...], self.eps)
-    return jnp.dot(x, self._head(), preferred_element_type=jnp.float32).astype(jnp.float32)
+    return project_rows(rms_norm(hidden, self.final_norm[...], self.eps), self._head_rows())
 
   def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
     return draft_ids if self.d2t is None else self.d2t[...][draft_ids]

@@ -116,6 +116,17 @@ class DecoderStack(nnx.Module):
     return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
 
 
+def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
+  """hidden [..., D] @ rows[V, D].T -> f32 [..., V], without transposing `rows`.
+
+  Tied heads read the embedding [V, D] as is: `embed.T` would make XLA copy the
+  whole matrix (113 MB for SmolLM2) in every forward on CPU.
+  """
+  out = jax.lax.dot_general(hidden, rows, (((hidden.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return out.astype(jnp.float32)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """Grouped-query attention of new queries over all cache slots.
 
@@ -207,8 +218,10 @@ class Transformer(nnx.Module):
 
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> f32 logits [..., V]."""
-    w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    return jnp.dot(hidden, w, preferred_element_type=jnp.float32).astype(jnp.float32)
+    if self.lm_head is None:
+      return project_rows(hidden, self.embed[...])
+    return jnp.dot(hidden, self.lm_head[...],
+                   preferred_element_type=jnp.float32).astype(jnp.float32)
 
   def __call__(
       self,

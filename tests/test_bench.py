@@ -1,0 +1,87 @@
+"""`python -m infer.bench`: aggregation, the results file, plots, and a small real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infer.bench import prompts as prompts_lib
+from infer.bench import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar",
+            "acceptance_length", "identical_to_ar")
+
+
+def _rec(category, method, drafter, tokens, seconds, *, rounds=0, committed=0, hist=(),
+         identical=True):
+  return dict(category=category, method=method, drafter=drafter, new_tokens=tokens,
+              seconds=seconds, rounds=rounds, committed_in_rounds=committed,
+              stage_histogram=list(hist), target_forwards=rounds + 1, drafter_forwards=0,
+              identical_to_ar=identical, lossless_vs_ar=True)
+
+
+def test_summary_sums_tokens_and_seconds_per_category_and_overall():
+  records = [
+      _rec("math", "ar", "", 100, 4.0, rounds=99, committed=99),
+      _rec("math", "ar", "", 50, 1.0, rounds=49, committed=49),
+      _rec("math", "dloop", "d", 100, 2.0, rounds=40, committed=99, hist=(0, 30, 10)),
+      _rec("math", "dloop", "d", 50, 1.0, rounds=20, committed=49, hist=(0, 20, 0),
+           identical=False),
+      _rec("chat", "ar", "", 60, 3.0, rounds=59, committed=59),
+      _rec("chat", "dloop", "d", 60, 1.0, rounds=30, committed=59, hist=(0, 30, 0)),
+  ]
+  rows = {(r["category"], r["method"]): r for r in report.summarize(records)}
+  math_dloop = rows[("math", "dloop")]
+  assert math_dloop["tokens_per_second"] == pytest.approx(150 / 3.0)  # totals, not a mean of rates
+  assert math_dloop["speedup_vs_ar"] == pytest.approx((150 / 3.0) / (150 / 5.0))
+  assert math_dloop["acceptance_length"] == pytest.approx(148 / 60)
+  assert math_dloop["stages_per_round"] == pytest.approx((30 + 20 + 2 * 10) / 60)
+  assert math_dloop["identical_to_ar"] == pytest.approx(0.5)
+  overall = rows[("overall", "dloop")]
+  assert overall["prompts"] == 3
+  assert overall["speedup_vs_ar"] == pytest.approx((210 / 4.0) / (210 / 8.0))
+  assert rows[("overall", "ar")]["speedup_vs_ar"] == pytest.approx(1.0)
+  table = report.markdown(report.summarize(records))
+  assert "| overall | dloop | d | 3 |" in table
+
+
+def test_prompt_sets_are_bundled_and_interleaved():
+  got = prompts_lib.load(["math", "code"], per_category=2)
+  math = [p for p in got if p.category == "math"]
+  assert [p.set_name for p in math[:4]] == ["gsm8k", "math500", "gsm8k", "math500"]
+  code = [p for p in got if p.category == "code"]
+  assert code[0].id == "HumanEval/0" and "def " in code[0].text
+  with pytest.raises(Exception, match="Unknown categories"):
+    prompts_lib.load(["poetry"], per_category=1)
+
+
+@pytest.mark.real_model
+def test_small_real_run_writes_results_table_and_plots(tmp_path):
+  out = tmp_path / "bench"
+  proc = subprocess.run(
+      [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math,code",
+       "--prompts-per-category", "1", "--max-new-tokens", "12",
+       "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-1,0",
+       "--sweep-max-stages=2", "--sweep-prompts", "1", "--out", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((out / "results.json").read_text())
+  rows = result["rows"]
+  for row in rows:
+    assert all(k in row for k in REQUIRED), row
+  keys = {(r["category"], r["method"]) for r in rows}
+  for category in ("math", "code", "overall"):
+    for method in ("ar", "sd", "dloop"):
+      assert (category, method) in keys
+  for row in rows:
+    assert row["identical_to_ar"] == 1.0 or row["lossless_vs_ar"] == 1.0, row
+  assert len(result["records"]) == 2 * 3
+  assert {(p["gate"], p["max_stages"]) for p in result["sweep"]} == {(-1.0, 2), (0.0, 2)}
+  for name in ("results.md", "speedup.png", "gate_sweep.png"):
+    assert (out / name).stat().st_size > 0
+  assert "| overall | dloop |" in (out / "results.md").read_text()
