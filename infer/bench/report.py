@@ -94,7 +94,8 @@ def plot_speedups(rows: Sequence[dict], path: str) -> None:
   methods = list(dict.fromkeys(_label(r) for r in rows if r["method"] != "ar"))
   by = {(r["category"], _label(r)): r["speedup_vs_ar"] or 0.0 for r in rows}
   width = 0.8 / max(1, len(methods))
-  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(categories) * max(1, len(methods)) / 2), 4))
+  width_in = min(14.0, max(6.0, 0.3 * len(categories) * max(1, len(methods)) + 2))
+  fig, ax = plt.subplots(figsize=(width_in, 4.5))
   for i, m in enumerate(methods):
     xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(categories))]
     bars = ax.bar(xs, [by.get((c, m), 0.0) for c in categories], width, label=m.replace("\n", " "))

@@ -1,0 +1,66 @@
+"""The drafters shipped for the default model: found by name, lossless, and the CLI's default."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dloop_jax.decoding import generate, lossless
+from dloop_jax.drafters import io as drafter_io
+from dloop_jax.models.config import tiny_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = ("smollm2-135m-instruct-eagle3", "smollm2-135m-instruct-block")
+PROMPTS = ("What is 17 times 23? Explain step by step.",
+           "Write a Python function that reverses a string.")
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def real():
+  from dloop_jax.models import load_target
+  return load_target("smollm2-135m-instruct")
+
+
+def test_shipped_for_the_default_target_best_first(real):
+  assert drafter_io.shipped_drafters_for(real.config) == list(SHIPPED)
+  # Another target gets none of them.
+  assert drafter_io.shipped_drafters_for(tiny_target(seed=1).config) == []
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_drafter_is_lossless_on_the_real_model(real, name):
+  """sd and dloop (two gates) with the trained drafter reproduce greedy ar, and accept drafts."""
+  drafter = drafter_io.load_drafter(name, target=real.model)
+  tok = real.tokenizer
+  prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+             for p in PROMPTS]
+  stop = tok.stop_token_ids
+  ar = generate(real.model, prompts, max_new_tokens=48, stop_tokens=stop)
+  accepted = 0
+  for mode, gate in (("sd", -0.5), ("dloop", -0.5), ("dloop", float("-inf"))):
+    out = generate(real.model, prompts, max_new_tokens=48, mode=mode, drafter=drafter, gate=gate,
+                   stop_tokens=stop)
+    for prompt, want, got in zip(prompts, ar.tokens, out.tokens):
+      cmp = lossless.compare(real.model, prompt, want, got)
+      assert cmp.lossless, (mode, gate, cmp)
+    accepted += out.total.accepted
+    if gate == float("-inf"):
+      assert out.total.stage_histogram[-1] == out.total.rounds  # S_max stages every round
+  assert accepted > 0, "a trained drafter must get some drafts accepted"
+
+
+def test_infer_defaults_to_dloop_with_the_best_shipped_drafter():
+  proc = subprocess.run(
+      [sys.executable, "-m", "infer", "--prompt", "Name three colors.", "--max-new-tokens", "8",
+       "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rec = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert rec["mode"] == "dloop" and rec["drafter"] == "eagle3"
+  assert rec["new_tokens"] == len(rec["output_ids"]) > 0
+  assert rec["acceptance_length"] >= 1.0 and rec["rounds"] >= 1
