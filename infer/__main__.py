@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 
@@ -41,11 +40,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
   args = _parse(argv)
-  cache_dir = os.environ.get("DLOOP_JAX_CACHE", os.path.join(
-      os.path.expanduser("~"), ".cache", "dloop_jax", "jax_compilation"))
-  import jax
-  jax.config.update("jax_compilation_cache_dir", cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
+  enable_compilation_cache()
 
   from dloop_jax.decoding import SamplingConfig, generate
   from dloop_jax.errors import DLoopError

@@ -112,11 +112,8 @@ def _check_against_ar(target, prompt_ids, ar_tokens, rec, *, greedy: bool) -> No
 
 def main(argv=None) -> int:
   args = _parse(argv)
-  cache_dir = os.environ.get("DLOOP_JAX_CACHE", os.path.join(
-      os.path.expanduser("~"), ".cache", "dloop_jax", "jax_compilation"))
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
+  enable_compilation_cache()
 
   from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
