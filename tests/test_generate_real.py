@@ -49,15 +49,16 @@ def _cut_at_stop(row: list[int], stop: list[int]) -> list[int]:
 
 def _transformers_greedy(reference, prompts: list[list[int]], max_new_tokens: int,
                          stop: list[int]) -> list[list[int]]:
-  """New tokens of transformers' greedy `generate()`: one left-padded batch."""
-  width = max(len(p) for p in prompts)
-  ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in prompts])
-  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  """New tokens of transformers' greedy `generate()`, one prompt at a time (no padding)."""
+  rows = []
   with torch.no_grad():
-    out = reference.generate(ids, attention_mask=mask, do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=stop,
-                             pad_token_id=stop[0])
-  return [_cut_at_stop(row, stop) for row in out[:, width:].tolist()]
+    for p in prompts:
+      ids = torch.tensor([p])
+      out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=max_new_tokens, eos_token_id=stop,
+                               pad_token_id=stop[0])
+      rows.append(_cut_at_stop(out[0, len(p):].tolist(), stop))
+  return rows
 
 
 def test_greedy_matches_transformers(real):
