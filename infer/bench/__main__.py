@@ -252,6 +252,7 @@ def main(argv=None) -> int:
 
 def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> list[dict]:
   """DLoop over gate x S_max on the first --sweep-prompts prompts of each category."""
+  from infer.bench import report  # pylint: disable=g-import-not-at-top
   chosen, seen = [], {}
   for p, ids in prompts:
     if seen.get(p.category, 0) < args.sweep_prompts:
@@ -259,7 +260,6 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
       seen[p.category] = seen.get(p.category, 0) + 1
   keys = {(p.category, p.id) for p, _ in chosen}
   ar = [r for r in records if r["method"] == "ar" and (r["category"], r["prompt_id"]) in keys]
-  ar_tps = sum(r["new_tokens"] for r in ar) / max(sum(r["seconds"] for r in ar), 1e-9)
   points = []
   for label, d in drafters:
     m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
@@ -267,16 +267,14 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
     for s_max in args.sweep_max_stages:
       m.run(chosen[0][1], max_stages=s_max)  # compile (the gate is traced: once per S_max)
       for g in args.sweep_gates:
-        runs = [m.run(ids, gate=g, max_stages=s_max) for _, ids in chosen]
-        tokens = sum(len(r.tokens) for r in runs)
-        seconds = sum(r.seconds for r in runs)
-        rounds = sum(r.rounds for r in runs)
-        hist = [sum(h) for h in zip(*[r.stage_histogram for r in runs])]
-        point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(runs),
-                     tokens_per_second=tokens / seconds,
-                     speedup_vs_ar=tokens / seconds / ar_tps,
-                     acceptance_length=sum(r.committed_in_rounds for r in runs) / max(rounds, 1),
-                     stages_per_round=sum(i * c for i, c in enumerate(hist)) / max(sum(hist), 1))
+        recs = [_record(p, m, m.run(ids, gate=g, max_stages=s_max), prompt_len=len(ids))
+                for p, ids in chosen]
+        # The same aggregation as the main table, over these prompts and their ar runs.
+        row = next(r for r in report.summarize(ar + recs)
+                   if r["category"] == report.OVERALL and r["method"] == "dloop")
+        point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(recs),
+                     **{k: row[k] for k in ("tokens_per_second", "speedup_vs_ar",
+                                            "acceptance_length", "stages_per_round")})
         points.append(point)
         _log(f"[sweep {label}] S_max {s_max} g {g:+.2f}: τ {point['acceptance_length']:.2f},"
              f" {point['stages_per_round']:.2f} stages/round,"
