@@ -25,7 +25,9 @@ import model_fixtures
 from dloop_jax.models.hf_loader import load_hf_dir
 from dloop_jax.models.transformer import Transformer
 
-TOL = 1e-5
+# f32 rounding only: a forward over 1, 4 or 24 new tokens sums attention and
+# matmuls in different orders (logits of these targets reach |5|).
+TOL = 3e-5
 WIDTH = 24  # longest row
 CHUNK = 4  # tokens per forward when feeding several
 PREFILL = CHUNK  # padded prefill width (the same shape: one compile fewer)
@@ -133,10 +135,11 @@ def test_cached_decode_equals_full_forward(models, kind, schedule):
       where = f"{kind} {schedule} batch {batch} seed {seed} row {r} (length {n}, prefix {prefix[r]})"
       np.testing.assert_allclose(got[r, :n], want[r, :n], atol=TOL, rtol=0, err_msg=where)
       for name in ("k", "v"):
-        np.testing.assert_allclose(
-            np.asarray(getattr(cache, name)[:, r, :n]),
-            np.asarray(getattr(full_cache, name)[:, r, :n]), atol=TOL, rtol=0,
-            err_msg=f"cached {name}: {where}")
+        for layer, (cached, full) in enumerate(zip(getattr(cache, name),
+                                                   getattr(full_cache, name))):
+          np.testing.assert_allclose(
+              np.asarray(cached[r, :n]), np.asarray(full[r, :n]), atol=TOL, rtol=0,
+              err_msg=f"cached {name} of layer {layer}: {where}")
 
 
 def test_rows_do_not_see_each_other(models):

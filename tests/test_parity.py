@@ -141,7 +141,7 @@ def test_load_target_bf16(tmp_path):
   for source in (model_fixtures.save_hf(reference, str(tmp_path / "hf")),
                  model_fixtures.write_gguf(reference, str(tmp_path / "m.gguf"))):
     target = load_target(source, dtype=jnp.bfloat16)
-    assert target.model.layers.wqkv[...].dtype == jnp.bfloat16
+    assert target.model.layers[0].wqkv[...].dtype == jnp.bfloat16
     # bf16 weights and activations: only a loose match is expected.
     assert np.max(np.abs(_flax_logits(target.model, tokens) - expected)) < 0.25
   assert target.tokenizer is not None and target.name == "m"

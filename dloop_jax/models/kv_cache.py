@@ -15,33 +15,36 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  """Keys and values of all layers.
+  """Keys and values of all layers, one array per layer.
+
+  Per-layer arrays (not one [L, ...] array) let each layer's update happen in
+  place: slicing a layer out of a stacked cache copies it on CPU.
 
   Attributes:
-    k: [L, B, C, K, H] keys (L layers, C slots, K kv heads, H head dim).
-    v: [L, B, C, K, H] values.
+    k: L arrays [B, C, K, H] of keys (C slots, K kv heads, H head dim).
+    v: L arrays [B, C, K, H] of values.
     lengths: [B] committed slots per row.
   """
 
-  k: jax.Array
-  v: jax.Array
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   lengths: jax.Array
 
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
 
   @property
   def batch_size(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
 
   @classmethod
   def create(cls, *, num_layers: int, batch_size: int, capacity: int,
              num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (num_layers, batch_size, capacity, num_kv_heads, head_dim)
+    shape = (batch_size, capacity, num_kv_heads, head_dim)
     return cls(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         lengths=jnp.zeros((batch_size,), jnp.int32),
     )
 

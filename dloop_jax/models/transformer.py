@@ -1,11 +1,14 @@
 """Decoder-only target transformer (Llama family, Qwen2, Qwen3) in Flax NNX.
 
-Layer weights are stacked on a leading layer axis and the forward runs a
-`lax.scan` over them: one compiled layer body instead of L unrolled copies
-(about 2x faster to run and far faster to compile inside `while_loop`s).
-q/k/v and gate/up projections are fused into single matmuls.
+Each decoder layer owns its weights (`DecoderLayer`) and the forward loops over
+the layers in Python. A `lax.scan` over weights stacked on a layer axis would
+compile one layer body instead of L, but on CPU XLA then copies each layer's
+weights out of the stack (a `dynamic-slice`) before every matmul, which nearly
+doubles the memory traffic of a batch-1 decode step. q/k/v and gate/up
+projections are fused into single matmuls.
 
-Parameter layout (what loaders must produce, see `PARAM_SHAPES`):
+Loaders and `flat_params` speak the stacked layout below (one array per weight
+kind, layers on axis 0); `from_params` splits it into the layers.
 
     embed                [V, D]
     layers.attn_norm     [L, D]
@@ -91,29 +94,75 @@ class ForwardOutput:
   hidden: jax.Array
 
 
-class DecoderStack(nnx.Module):
-  """All decoder layers, weights stacked on a leading layer axis."""
+LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm",
+                 "w_gate_up", "w_down")
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-               init_std: float = 0.02):
+
+def random_layer_weights(config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                         init_std: float = 0.02) -> dict[str, jax.Array]:
+  """Random weights of all layers, stacked on axis 0 (the `param_shapes` layout).
+
+  Drawn stacked, one key per weight kind, so a seed gives the same target
+  whatever the in-memory layout of the layers.
+  """
+  c = config
+  l, d = c.num_layers, c.hidden_size
+  init = nnx.initializers.normal(init_std)
+  weights = {"attn_norm": jnp.ones((l, d), dtype),
+             "wqkv": init(rngs.params(), (l, d, c.q_size + 2 * c.kv_size), dtype)}
+  if c.attention_bias:
+    weights["bqkv"] = init(rngs.params(), (l, c.q_size + 2 * c.kv_size), dtype)
+  if c.qk_norm:
+    weights["q_norm"] = jnp.ones((l, c.head_dim), dtype)
+    weights["k_norm"] = jnp.ones((l, c.head_dim), dtype)
+  weights["wo"] = init(rngs.params(), (l, c.q_size, d), dtype)
+  weights["mlp_norm"] = jnp.ones((l, d), dtype)
+  weights["w_gate_up"] = init(rngs.params(), (l, d, 2 * c.intermediate_size), dtype)
+  weights["w_down"] = init(rngs.params(), (l, c.intermediate_size, d), dtype)
+  return weights
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm decoder layer: attention over the KV cache, then a SwiGLU MLP.
+
+  Weights (names as in `param_shapes`, without the layer axis): attn_norm [D],
+  wqkv [D, Q + 2 KV], optional bqkv [Q + 2 KV], optional q_norm / k_norm [H],
+  wo [Q, D], mlp_norm [D], w_gate_up [D, 2 F], w_down [F, D].
+  """
+
+  def __init__(self, weights: Mapping[str, jax.Array]):
+    for name in LAYER_WEIGHTS:
+      setattr(self, name, nnx.Param(weights[name]) if name in weights else None)
+
+  def weights(self) -> dict[str, jax.Array]:
+    return {n: getattr(self, n)[...] for n in LAYER_WEIGHTS if getattr(self, n) is not None}
+
+  def __call__(self, h: jax.Array, *, config: TransformerConfig, cos: jax.Array,
+               sin: jax.Array, mask: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               starts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [B, T, D] -> (h [B, T, D], k_cache, v_cache [B, C, K, H] with T rows written)."""
     c = config
-    l, d = c.num_layers, c.hidden_size
-    init = nnx.initializers.normal(init_std)
-    self.attn_norm = nnx.Param(jnp.ones((l, d), dtype))
-    self.wqkv = nnx.Param(init(rngs.params(), (l, d, c.q_size + 2 * c.kv_size), dtype))
-    self.bqkv = (nnx.Param(init(rngs.params(), (l, c.q_size + 2 * c.kv_size), dtype))
-                 if c.attention_bias else None)
-    self.q_norm = nnx.Param(jnp.ones((l, c.head_dim), dtype)) if c.qk_norm else None
-    self.k_norm = nnx.Param(jnp.ones((l, c.head_dim), dtype)) if c.qk_norm else None
-    self.wo = nnx.Param(init(rngs.params(), (l, c.q_size, d), dtype))
-    self.mlp_norm = nnx.Param(jnp.ones((l, d), dtype))
-    self.w_gate_up = nnx.Param(init(rngs.params(), (l, d, 2 * c.intermediate_size), dtype))
-    self.w_down = nnx.Param(init(rngs.params(), (l, c.intermediate_size, d), dtype))
-
-  def stacked(self) -> dict[str, jax.Array]:
-    names = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm",
-             "w_gate_up", "w_down")
-    return {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
+    b, t, _ = h.shape
+    eps = c.rms_norm_eps
+    x = rms_norm(h, self.attn_norm[...], eps)
+    qkv = x @ self.wqkv[...]
+    if self.bqkv is not None:
+      qkv = qkv + self.bqkv[...]
+    q = qkv[..., :c.q_size].reshape(b, t, c.num_heads, c.head_dim)
+    k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = qkv[..., c.q_size + c.kv_size:].reshape(b, t, c.num_kv_heads, c.head_dim)
+    if self.q_norm is not None:
+      q = rms_norm(q, self.q_norm[...], eps)
+      k = rms_norm(k, self.k_norm[...], eps)
+    q = rope_lib.apply_rope(q, cos, sin)
+    k = rope_lib.apply_rope(k, cos, sin)
+    k_cache = kv_lib.write_rows(k_cache, k, starts)
+    v_cache = kv_lib.write_rows(v_cache, v, starts)
+    h = h + attention(q, k_cache, v_cache, mask) @ self.wo[...]
+    x = rms_norm(h, self.mlp_norm[...], eps)
+    gate, up = jnp.split(x @ self.w_gate_up[...], 2, axis=-1)
+    h = h + (jax.nn.silu(gate) * up) @ self.w_down[...]
+    return h, k_cache, v_cache
 
 
 def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
@@ -149,6 +198,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return out.reshape(b, t, n * h)
 
 
+def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int) -> nnx.List:
+  return nnx.List([DecoderLayer({name: jnp.asarray(w[i]) for name, w in stacked.items()})
+                   for i in range(num_layers)])
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM whose forward takes and returns an explicit KV cache."""
 
@@ -165,7 +219,8 @@ class Transformer(nnx.Module):
     c = config
     init = nnx.initializers.normal(init_std)
     self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), dtype))
-    self.layers = DecoderStack(c, rngs=rngs, dtype=dtype, init_std=init_std)
+    stacked = random_layer_weights(c, rngs=rngs, dtype=dtype, init_std=init_std)
+    self.layers = _split_layers(stacked, c.num_layers)
     self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), dtype))
     self.lm_head = (None if c.tie_embeddings else nnx.Param(
         init(rngs.params(), (c.hidden_size, c.vocab_size), dtype)))
@@ -192,9 +247,9 @@ class Transformer(nnx.Module):
     model.final_norm = nnx.Param(jnp.asarray(params["final_norm"], dtype))
     if "lm_head" in params:
       model.lm_head = nnx.Param(jnp.asarray(params["lm_head"], dtype))
-    for name, value in params.items():
-      if name.startswith("layers."):
-        setattr(model.layers, name.split(".", 1)[1], nnx.Param(jnp.asarray(value, dtype)))
+    stacked = {name.split(".", 1)[1]: np.asarray(value, dtype)
+               for name, value in params.items() if name.startswith("layers.")}
+    model.layers = _split_layers(stacked, config.num_layers)
     return model
 
   def flat_params(self) -> dict[str, np.ndarray]:
@@ -202,8 +257,8 @@ class Transformer(nnx.Module):
     out = {"embed": np.asarray(self.embed[...]), "final_norm": np.asarray(self.final_norm[...])}
     if self.lm_head is not None:
       out["lm_head"] = np.asarray(self.lm_head[...])
-    for name, value in self.layers.stacked().items():
-      out[f"layers.{name}"] = np.asarray(value)
+    for name in self.layers[0].weights():
+      out[f"layers.{name}"] = np.stack([np.asarray(l.weights()[name]) for l in self.layers])
     return out
 
   def init_cache(self, *, batch_size: int, capacity: int) -> kv_lib.KVCache:
@@ -254,45 +309,25 @@ class Transformer(nnx.Module):
                                  block_mask=block_mask)
     cos, sin = rope_lib.rope_angles(positions, rope_lib.inverse_frequencies(c))
     h = self.embed_tokens(tokens).astype(self.dtype)
-    weights = self.layers.stacked()
-    eps = c.rms_norm_eps
-
-    def layer(carry, xs):
-      h, k_all, v_all = carry
-      w, index = xs
-      x = rms_norm(h, w["attn_norm"], eps)
-      qkv = x @ w["wqkv"]
-      if "bqkv" in w:
-        qkv = qkv + w["bqkv"]
-      q = qkv[..., :c.q_size].reshape(b, t, c.num_heads, c.head_dim)
-      k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(b, t, c.num_kv_heads, c.head_dim)
-      v = qkv[..., c.q_size + c.kv_size:].reshape(b, t, c.num_kv_heads, c.head_dim)
-      if "q_norm" in w:
-        q = rms_norm(q, w["q_norm"], eps)
-        k = rms_norm(k, w["k_norm"], eps)
-      q = rope_lib.apply_rope(q, cos, sin)
-      k = rope_lib.apply_rope(k, cos, sin)
-      k_layer = kv_lib.write_rows(k_all[index], k, starts)
-      v_layer = kv_lib.write_rows(v_all[index], v, starts)
-      k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, index, 0)
-      v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, index, 0)
-      h = h + attention(q, k_layer, v_layer, mask) @ w["wo"]
-      x = rms_norm(h, w["mlp_norm"], eps)
-      gate, up = jnp.split(x @ w["w_gate_up"], 2, axis=-1)
-      h = h + (jax.nn.silu(gate) * up) @ w["w_down"]
-      return (h, k_all, v_all), (h if taps else None)
-
-    (h, k_all, v_all), per_layer = jax.lax.scan(
-        layer, (h, cache.k, cache.v), (weights, jnp.arange(c.num_layers)))
+    num_layers = len(self.layers)
+    wanted = {i % num_layers for i in taps}
+    k_new, v_new, layer_outputs = [], [], {}
+    for i, layer in enumerate(self.layers):
+      h, k_layer, v_layer = layer(h, config=c, cos=cos, sin=sin, mask=mask,
+                                  k_cache=cache.k[i], v_cache=cache.v[i], starts=starts)
+      k_new.append(k_layer)
+      v_new.append(v_layer)
+      if i in wanted:
+        layer_outputs[i] = h
     if taps:
-      tapped = jnp.stack([per_layer[i] for i in taps], axis=2)  # [B, T, n, D]
+      tapped = jnp.stack([layer_outputs[i % num_layers] for i in taps], axis=2)  # [B, T, n, D]
     else:
       tapped = jnp.zeros((b, t, 0, c.hidden_size), h.dtype)
-    hidden = rms_norm(h, self.final_norm[...], eps)
+    hidden = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
     if logit_positions is not None:
       selected = jnp.take_along_axis(hidden, logit_positions[..., None], axis=1)
     else:
       selected = hidden
     logits = self.unembed(selected)
-    new_cache = kv_lib.KVCache(k=k_all, v=v_all, lengths=starts + t)
+    new_cache = kv_lib.KVCache(k=tuple(k_new), v=tuple(v_new), lengths=starts + t)
     return ForwardOutput(logits=logits, cache=new_cache, taps=tapped, hidden=hidden)
