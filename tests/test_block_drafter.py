@@ -132,10 +132,10 @@ def test_commit_rolls_back_stand_ins(examples, drafters):
     fresh = draft_training.commit_prefix(drafter, tokens[r:r + 1], features[r:r + 1],
                                          n + int(counts[r]))
     _, want = draft_training.draft_stage(drafter, fresh, key, block_size=4, sampling=GREEDY)
-    _, got = draft_training.draft_stage(drafter, jax.tree.map(lambda x: x[..., r:r + 1, :, :, :]
-                                                              if x.ndim == 5 else x[r:r + 1],
-                                                              after),
-                                        key, block_size=4, sampling=GREEDY)
+    row = after.replace(k=after.k[:, r:r + 1], v=after.v[:, r:r + 1],
+                        lengths=after.lengths[r:r + 1], anchor=after.anchor[r:r + 1],
+                        committed_anchor=after.committed_anchor[r:r + 1])
+    _, got = draft_training.draft_stage(drafter, row, key, block_size=4, sampling=GREEDY)
     np.testing.assert_array_equal(want.tokens, got.tokens)
     np.testing.assert_allclose(want.logprobs, got.logprobs, atol=1e-5)
 
