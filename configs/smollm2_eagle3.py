@@ -46,15 +46,15 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.optim.learning_rate = 3e-5
     c.optim.warmup_steps = 100
   elif recipe in ("cpu", "cpu_loop"):
-    # The shipped drafter: a short schedule that fits a 2-core CPU (about one
-    # epoch of ~1,000 regenerated ShareGPT answers, then a loop-aware pass).
+    # The shipped drafter: a short schedule that fits a 2-core CPU (about two
+    # epochs of 1,000 regenerated ShareGPT answers, then a loop-aware pass).
     # TTT unrolls one stage (gamma = 4 steps); stages beyond it are what the
     # loop-aware fine-tune teaches.
     c.data.batch_size = 4
     c.data.seq_len = 512
     c.data.options = ConfigDict(dict(pack=True))
     c.objective_cfg.ttt_steps = 4
-    c.num_steps = 180
+    c.num_steps = 260
     c.log_every_steps = 10
     c.optim.learning_rate = 1e-3
     c.optim.warmup_steps = 15

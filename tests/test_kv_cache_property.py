@@ -134,9 +134,8 @@ def test_cached_decode_equals_full_forward(models, kind, schedule):
       n = lengths[r]
       where = f"{kind} {schedule} batch {batch} seed {seed} row {r} (length {n}, prefix {prefix[r]})"
       np.testing.assert_allclose(got[r, :n], want[r, :n], atol=TOL, rtol=0, err_msg=where)
-      for name in ("k", "v"):
-        for layer, (cached, full) in enumerate(zip(getattr(cache, name),
-                                                   getattr(full_cache, name))):
+      for layer in range(len(cache.k)):
+        for name, cached, full in zip("kv", cache.layer(layer), full_cache.layer(layer)):
           np.testing.assert_allclose(
               np.asarray(cached[r, :n]), np.asarray(full[r, :n]), atol=TOL, rtol=0,
               err_msg=f"cached {name} of layer {layer}: {where}")

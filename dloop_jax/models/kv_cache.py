@@ -18,11 +18,13 @@ class KVCache:
   """Keys and values of all layers, one array per layer.
 
   Per-layer arrays (not one [L, ...] array) let each layer's update happen in
-  place: slicing a layer out of a stacked cache copies it on CPU.
+  place: slicing a layer out of a stacked cache copies it on CPU. Rows and kv
+  heads share the leading axis (row b's K heads at b * K .. b * K + K - 1), the
+  form attention's batched matmuls read without reshaping the cache.
 
   Attributes:
-    k: L arrays [B, C, K, H] of keys (C slots, K kv heads, H head dim).
-    v: L arrays [B, C, K, H] of values.
+    k: L arrays [B * K, C, H] of keys (K kv heads, C slots, H head dim).
+    v: L arrays [B * K, C, H] of values.
     lengths: [B] committed slots per row.
   """
 
@@ -32,16 +34,23 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[1]
+    return self.v[0].shape[1]
 
   @property
   def batch_size(self) -> int:
-    return self.k[0].shape[0]
+    return self.lengths.shape[0]
+
+  def layer(self, index: int) -> tuple[jax.Array, jax.Array]:
+    """Keys and values of one layer, both as [B, C, K, H]."""
+    def unfold(x):
+      x = x.reshape((self.batch_size, -1) + x.shape[1:])  # [B, K, C, H]
+      return jnp.transpose(x, (0, 2, 1, 3))
+    return unfold(self.k[index]), unfold(self.v[index])
 
   @classmethod
   def create(cls, *, num_layers: int, batch_size: int, capacity: int,
              num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch_size, capacity, num_kv_heads, head_dim)
+    shape = (batch_size * num_kv_heads, capacity, head_dim)
     return cls(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -66,6 +75,28 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
     return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), index)
 
   return jax.vmap(one)(buffer, update, starts)
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             starts: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Writes new keys / values [B, T, K, H] of one layer at slots `starts + t`.
+
+  Args:
+    k_cache, v_cache: [B * K, C, H].
+    k, v: [B, T, K, H].
+    starts: [B].
+  """
+  b, t, kv_heads, h = k.shape
+
+  def write(cache, new):
+    new = jnp.transpose(new, (0, 2, 1, 3)).astype(cache.dtype)  # [B, K, T, H]
+    # One dynamic_update_slice per row (XLA updates the loop-carried cache in
+    # place through it; a vmap would lower to a scatter that copied it).
+    for row in range(b):
+      cache = jax.lax.dynamic_update_slice(cache, new[row], (row * kv_heads, starts[row], 0))
+    return cache
+
+  return write(k_cache, k), write(v_cache, v)
 
 
 def attention_mask(*, starts: jax.Array, num_new: int, capacity: int,

@@ -140,7 +140,10 @@ class DecoderLayer(nnx.Module):
   def __call__(self, h: jax.Array, *, config: TransformerConfig, cos: jax.Array,
                sin: jax.Array, mask: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                starts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D] -> (h [B, T, D], k_cache, v_cache [B, C, K, H] with T rows written)."""
+    """h [B, T, D] -> (h [B, T, D], k_cache, v_cache with the T new slots written).
+
+    `k_cache` and `v_cache` [B * K, C, H] are this layer's `KVCache` arrays.
+    """
     c = config
     b, t, _ = h.shape
     eps = c.rms_norm_eps
@@ -156,9 +159,8 @@ class DecoderLayer(nnx.Module):
       k = rms_norm(k, self.k_norm[...], eps)
     q = rope_lib.apply_rope(q, cos, sin)
     k = rope_lib.apply_rope(k, cos, sin)
-    k_cache = kv_lib.write_rows(k_cache, k, starts)
-    v_cache = kv_lib.write_rows(v_cache, v, starts)
-    h = h + attention(q, k_cache, v_cache, mask) @ self.wo[...]
+    k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+    h = h + cached_attention(q, k_cache, v_cache, mask) @ self.wo[...]
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = jnp.split(x @ self.w_gate_up[...], 2, axis=-1)
     h = h + (jax.nn.silu(gate) * up) @ self.w_down[...]
@@ -195,6 +197,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgtc,bckh->btkgh", probs, v)
+  return out.reshape(b, t, n * h)
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     mask: jax.Array) -> jax.Array:
+  """`attention` over one layer of the target's `KVCache`, read in its layout.
+
+  Args:
+    q: [B, T, N, H] queries.
+    k_cache: [B * K, C, H] keys (row b's kv heads at b * K .. b * K + K - 1).
+    v_cache: [B * K, C, H] values.
+    mask: [B, T, C] visibility.
+
+  Returns:
+    [B, T, N * H].
+  """
+  b, t, n, h = q.shape
+  kv_heads = k_cache.shape[0] // b
+  g = n // kv_heads
+  # Queries grouped per (row, kv head): [B * K, G * T, H].
+  q = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, g * t, h)
+  # The cache is the left operand of both matmuls, already in the
+  # [batch, rows, inner] form XLA:CPU multiplies without reshaping or copying
+  # it (a reshaped cache operand made XLA duplicate the row write and copy the
+  # whole layer cache several times per step); only q and probs move.
+  scores = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * (h ** -0.5)
+  scores = scores.reshape(b, kv_heads, g, t, -1)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+  probs = probs.reshape(b * kv_heads, g * t, -1)
+  out = jnp.einsum("nch,nqc->nqh", v_cache, probs)  # [B * K, G * T, H]
+  out = out.reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4)
   return out.reshape(b, t, n * h)
 
 
