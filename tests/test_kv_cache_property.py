@@ -153,3 +153,42 @@ def test_rows_do_not_see_each_other(models):
                               "several", rng)
     n = lengths[r]
     np.testing.assert_allclose(together[r, :n], alone[0, :n], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_read_only_forward_then_append_equals_writing_forward(models, kind):
+  """`write_cache=False` + `cache.append` (DLoop's multi-width verification) gives the
+  logits and cache of the writing forward, causal or with a random block mask."""
+  model = models[kind]
+  graphdef, state = nnx.split(model)
+
+  @functools.partial(jax.jit, static_argnames="write")
+  def run(state, tokens, positions, cache, block_mask, write):
+    out = nnx.merge(graphdef, state)(tokens, positions=positions, cache=cache,
+                                     block_mask=block_mask, write_cache=write)
+    return out.logits, (out.cache if write else out.cache.append(out.new_kv))
+
+  vocab = model.config.vocab_size
+  for batch, seed in CASES:
+    rng = np.random.default_rng([seed, KINDS.index(kind)])
+    prefix = rng.integers(1, WIDTH - CHUNK, size=batch)
+    cache = model.init_cache(batch_size=batch, capacity=CAPACITY)
+    first = rng.integers(0, vocab, size=(batch, WIDTH - CHUNK))
+    _, cache = run(state, jnp.asarray(first), jnp.broadcast_to(jnp.arange(WIDTH - CHUNK),
+                                                               first.shape),
+                   cache, None, True)
+    cache = cache.with_lengths(jnp.asarray(prefix))  # stale slots behind every row
+    tokens = jnp.asarray(rng.integers(0, vocab, size=(batch, CHUNK)))
+    positions = jnp.asarray(prefix[:, None] + np.arange(CHUNK))
+    random_mask = (rng.random((batch, CHUNK, CHUNK)) < 0.6) | np.eye(CHUNK, dtype=bool)
+    masks = (None, jnp.asarray(random_mask))
+    for block_mask in masks:
+      want_logits, want_cache = run(state, tokens, positions, cache, block_mask, True)
+      got_logits, got_cache = run(state, tokens, positions, cache, block_mask, False)
+      np.testing.assert_allclose(got_logits, want_logits, atol=TOL, rtol=0)
+      np.testing.assert_array_equal(got_cache.lengths, want_cache.lengths)
+      for layer in range(len(want_cache.k)):
+        for got, want in zip(got_cache.layer(layer), want_cache.layer(layer)):
+          for r in range(batch):
+            n = prefix[r] + CHUNK
+            np.testing.assert_allclose(got[r, :n], want[r, :n], atol=TOL, rtol=0)

@@ -260,28 +260,37 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     # ------------------------------------------- one verification, width by switch
     num_drafts = num_stages * gamma
 
+    # With several widths, each branch only reads the cache (a branch that
+    # wrote it would get a whole copy); the new keys / values come out padded
+    # to the widest branch and are written after the switch.
+    read_only = s.max_stages > 1
+
     def verify_branch(stages: int):
       m = stages * gamma
 
       def branch(cache):
         tokens = jnp.concatenate([lp.pending[:, None], drafts[:, :m]], axis=1)
         positions = starts[:, None] + jnp.arange(m + 1)[None, :]
-        o = target(tokens, positions=positions, cache=cache, taps=drafter.taps)
+        o = target(tokens, positions=positions, cache=cache, taps=drafter.taps,
+                   write_cache=not read_only)
         if s.sampling.greedy:
           acc = verify_lib.accept_greedy(logits=o.logits, drafts=drafts[:, :m], num_drafts=num_drafts)
         else:
           acc = verify_lib.accept_sampling(
               key=accept_key, logits=o.logits, drafts=drafts[:, :m], draft_probs=probs[:, :m],
               num_drafts=num_drafts, config=s.sampling)
-        return (o.cache, acc.num_accepted, _pad_axis1(acc.new_tokens, w_max),
+        written = jax.tree.map(lambda x: _pad_axis1(x, w_max), o.new_kv) if read_only else o.cache
+        return (written, acc.num_accepted, _pad_axis1(acc.new_tokens, w_max),
                 _pad_axis1(o.taps, w_max), _pad_axis1(tokens, w_max),
                 jnp.asarray(m + 1, jnp.int32))
 
       return branch
 
     widest = jnp.max(jnp.where(active, num_stages, 1))
-    cache, k, new_tokens, taps_out, verify_tokens, width = jax.lax.switch(
+    written, k, new_tokens, taps_out, verify_tokens, width = jax.lax.switch(
         widest - 1, [verify_branch(i) for i in range(1, s.max_stages + 1)], lp.cache)
+    # Slots past the accepted tokens hold padding; the lengths below mask them.
+    cache = lp.cache.append(written) if read_only else written
 
     # --------------------------------------------------------------- commit
     counts, finished = _commit_counts(

@@ -8,6 +8,8 @@ just `cache.replace(lengths=...)`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -60,6 +62,17 @@ class KVCache:
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=lengths.astype(jnp.int32))
 
+  def append(self, new_kv: Sequence[tuple[jax.Array, jax.Array]]) -> "KVCache":
+    """Writes T new tokens' (keys, values) [B, T, K, H] per layer at slots
+    `lengths + t` and advances `lengths` by T."""
+    k, v = [], []
+    for (k_cache, v_cache), (k_new, v_new) in zip(zip(self.k, self.v), new_kv):
+      k_cache, v_cache = write_kv(k_cache, v_cache, k_new, v_new, self.lengths)
+      k.append(k_cache)
+      v.append(v_cache)
+    t = new_kv[0][0].shape[1]
+    return KVCache(k=tuple(k), v=tuple(v), lengths=self.lengths + t)
+
 
 def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.Array:
   """Writes `update[b]` into `buffer[b]` at slot `starts[b]` along axis 1.
@@ -97,6 +110,11 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return cache
 
   return write(k_cache, k), write(v_cache, v)
+
+
+def committed_mask(*, starts: jax.Array, capacity: int) -> jax.Array:
+  """[B, C] cache slots holding committed tokens (`j < starts[b]`)."""
+  return jnp.arange(capacity)[None, :] < starts[:, None]
 
 
 def attention_mask(*, starts: jax.Array, num_new: int, capacity: int,

@@ -83,15 +83,18 @@ class ForwardOutput:
     logits: [B, N, V] f32 logits at the requested positions (N = T unless
       `logit_positions` was given).
     cache: the cache with the T new tokens written at `lengths + t` and
-      `lengths` advanced by T (callers roll back rejected tokens).
+      `lengths` advanced by T (callers roll back rejected tokens); the cache as
+      it came with `write_cache=False`.
     taps: [B, T, n_taps, D] outputs of the tapped decoder layers.
     hidden: [B, T, D] final hidden states (after the final norm).
+    new_kv: per layer, the (keys, values) [B, T, K, H] of the T new tokens.
   """
 
   logits: jax.Array
   cache: kv_lib.KVCache
   taps: jax.Array
   hidden: jax.Array
+  new_kv: tuple[tuple[jax.Array, jax.Array], ...]
 
 
 LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm",
@@ -138,11 +141,17 @@ class DecoderLayer(nnx.Module):
     return {n: getattr(self, n)[...] for n in LAYER_WEIGHTS if getattr(self, n) is not None}
 
   def __call__(self, h: jax.Array, *, config: TransformerConfig, cos: jax.Array,
-               sin: jax.Array, mask: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               starts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D] -> (h [B, T, D], k_cache, v_cache with the T new slots written).
+               sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
+               masks: tuple[jax.Array, ...], write_cache: bool
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """h [B, T, D] -> (h, k_cache, v_cache, k, v).
 
-    `k_cache` and `v_cache` [B * K, C, H] are this layer's `KVCache` arrays.
+    `k_cache` / `v_cache` [B * K, C, H] are this layer's `KVCache` arrays and
+    k, v [B, T, K, H] the new tokens' keys / values. With `write_cache` the new
+    tokens go into the cache first (slots `starts + t`) and attention reads it
+    with `masks = (mask [B, T, C],)`; without, the cache is only read and comes
+    back as it was (`masks = (cache_mask [B, C], new_mask [B, T, T])`, see
+    `attention_with_new`).
     """
     c = config
     b, t, _ = h.shape
@@ -159,12 +168,18 @@ class DecoderLayer(nnx.Module):
       k = rms_norm(k, self.k_norm[...], eps)
     q = rope_lib.apply_rope(q, cos, sin)
     k = rope_lib.apply_rope(k, cos, sin)
-    k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
-    h = h + cached_attention(q, k_cache, v_cache, mask) @ self.wo[...]
+    if write_cache:
+      k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+      out = cached_attention(q, k_cache, v_cache, *masks)
+    else:
+      cache_mask, new_mask = masks
+      out = attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
+                               cache_mask=cache_mask, new_mask=new_mask)
+    h = h + out @ self.wo[...]
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = jnp.split(x @ self.w_gate_up[...], 2, axis=-1)
     h = h + (jax.nn.silu(gate) * up) @ self.w_down[...]
-    return h, k_cache, v_cache
+    return h, k_cache, v_cache, k, v
 
 
 def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
@@ -200,36 +215,88 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return out.reshape(b, t, n * h)
 
 
+def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+  """[B, T, N, H] -> [B * K, G * T, H]: the queries of each (row, kv head)."""
+  b, t, n, h = q.shape
+  g = n // kv_heads
+  return q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, g * t, h)
+
+
+def _ungroup(out: jax.Array, *, batch: int, num_new: int) -> jax.Array:
+  """[B * K, G * T, H] -> [B, T, N * H]."""
+  n_kv, _, h = out.shape
+  kv_heads = n_kv // batch
+  out = out.reshape(batch, kv_heads, -1, num_new, h).transpose(0, 3, 1, 2, 4)
+  return out.reshape(batch, num_new, -1)
+
+
+# Both attentions below keep the cache the left operand of their matmuls, in
+# the [batch, rows, inner] form XLA:CPU multiplies as is: a reshaped or
+# transposed cache operand made XLA copy whole layer caches in every step.
+
+
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      mask: jax.Array) -> jax.Array:
-  """`attention` over one layer of the target's `KVCache`, read in its layout.
+  """`attention` over one layer of the target's `KVCache`, new tokens written.
 
   Args:
     q: [B, T, N, H] queries.
-    k_cache: [B * K, C, H] keys (row b's kv heads at b * K .. b * K + K - 1).
-    v_cache: [B * K, C, H] values.
+    k_cache, v_cache: [B * K, C, H] (row b's kv heads at b * K .. b * K + K - 1).
     mask: [B, T, C] visibility.
 
   Returns:
     [B, T, N * H].
   """
-  b, t, n, h = q.shape
+  b, t, _, h = q.shape
   kv_heads = k_cache.shape[0] // b
-  g = n // kv_heads
-  # Queries grouped per (row, kv head): [B * K, G * T, H].
-  q = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, g * t, h)
-  # The cache is the left operand of both matmuls, already in the
-  # [batch, rows, inner] form XLA:CPU multiplies without reshaping or copying
-  # it (a reshaped cache operand made XLA duplicate the row write and copy the
-  # whole layer cache several times per step); only q and probs move.
+  q = _group_queries(q, kv_heads)
   scores = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * (h ** -0.5)
-  scores = scores.reshape(b, kv_heads, g, t, -1)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  scores = scores.reshape(b, kv_heads, -1, t, scores.shape[-1])
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-  probs = probs.reshape(b * kv_heads, g * t, -1)
-  out = jnp.einsum("nch,nqc->nqh", v_cache, probs)  # [B * K, G * T, H]
-  out = out.reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4)
-  return out.reshape(b, t, n * h)
+  probs = probs.reshape(b * kv_heads, -1, probs.shape[-1])
+  return _ungroup(jnp.einsum("nch,nqc->nqh", v_cache, probs), batch=b, num_new=t)
+
+
+def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
+                       v_cache: jax.Array, cache_mask: jax.Array,
+                       new_mask: jax.Array) -> jax.Array:
+  """Attention over one layer's cache (read only) and over the new tokens.
+
+  One softmax spans both key sets. With committed slots 0..1 of a cache of 4
+  (`cache_mask` = [x x . .]) and 2 new tokens, causal ('x' = visible):
+
+      key:   cache0 cache1 cache2 cache3 | new0 new1
+      t = 0  x      x      .      .      | x    .
+      t = 1  x      x      .      .      | x    x
+
+  Args:
+    q: [B, T, N, H] queries.
+    k, v: [B, T, K, H] keys / values of the new tokens.
+    k_cache, v_cache: [B * K, C, H].
+    cache_mask: [B, C] cache slots every new token sees.
+    new_mask: [B, T, T] which new tokens each new token sees.
+
+  Returns:
+    [B, T, N * H].
+  """
+  b, t, kv_heads, h = k.shape
+  capacity = k_cache.shape[1]
+  q = _group_queries(q, kv_heads)
+  k = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
+  v = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
+  scale = h ** -0.5
+  from_cache = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * scale
+  from_new = jnp.einsum("nqh,nsh->nqs", q, k).astype(jnp.float32) * scale
+  scores = jnp.concatenate([from_cache, from_new], axis=-1).reshape(b, kv_heads, -1, t,
+                                                                    capacity + t)
+  visible = jnp.concatenate(
+      [jnp.broadcast_to(cache_mask[:, None, :], (b, t, capacity)), new_mask], axis=-1)
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv_heads, -1, capacity + t)
+  out = (jnp.einsum("nch,nqc->nqh", v_cache, probs[..., :capacity])
+         + jnp.einsum("nqs,nsh->nqh", probs[..., capacity:], v))
+  return _ungroup(out, batch=b, num_new=t)
 
 
 def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int) -> nnx.List:
@@ -321,6 +388,7 @@ class Transformer(nnx.Module):
       block_mask: jax.Array | None = None,
       taps: Sequence[int] = (),
       logit_positions: jax.Array | None = None,
+      write_cache: bool = True,
   ) -> ForwardOutput:
     """Runs T new tokens per row against the cache.
 
@@ -332,6 +400,11 @@ class Transformer(nnx.Module):
       block_mask: optional [B, T, T] mask among the new tokens (default causal).
       taps: decoder-layer indices whose outputs are returned in `taps`.
       logit_positions: optional [B, N] indices into T: compute logits there only.
+      write_cache: False returns `cache` as it came and leaves writing
+        `new_kv` to the caller (`cache.append`): a forward inside a branch of
+        a `lax.switch` then only reads the cache, which XLA would otherwise
+        copy whole for the branch. (Outside a switch, writing first is the
+        copy-free order: the write must come before the reads.)
 
     Returns:
       A `ForwardOutput`.
@@ -339,18 +412,25 @@ class Transformer(nnx.Module):
     c = self.config
     b, t = tokens.shape
     starts = cache.lengths
-    mask = kv_lib.attention_mask(starts=starts, num_new=t, capacity=cache.capacity,
-                                 block_mask=block_mask)
+    if write_cache:
+      masks = (kv_lib.attention_mask(starts=starts, num_new=t, capacity=cache.capacity,
+                                     block_mask=block_mask),)
+    else:
+      if block_mask is None:
+        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+      masks = (kv_lib.committed_mask(starts=starts, capacity=cache.capacity), block_mask)
     cos, sin = rope_lib.rope_angles(positions, rope_lib.inverse_frequencies(c))
     h = self.embed_tokens(tokens).astype(self.dtype)
     num_layers = len(self.layers)
     wanted = {i % num_layers for i in taps}
-    k_new, v_new, layer_outputs = [], [], {}
+    k_caches, v_caches, new_kv, layer_outputs = [], [], [], {}
     for i, layer in enumerate(self.layers):
-      h, k_layer, v_layer = layer(h, config=c, cos=cos, sin=sin, mask=mask,
-                                  k_cache=cache.k[i], v_cache=cache.v[i], starts=starts)
-      k_new.append(k_layer)
-      v_new.append(v_layer)
+      h, k_cache, v_cache, k, v = layer(
+          h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
+          starts=starts, masks=masks, write_cache=write_cache)
+      k_caches.append(k_cache)
+      v_caches.append(v_cache)
+      new_kv.append((k, v))
       if i in wanted:
         layer_outputs[i] = h
     if taps:
@@ -363,5 +443,7 @@ class Transformer(nnx.Module):
     else:
       selected = hidden
     logits = self.unembed(selected)
-    new_cache = kv_lib.KVCache(k=tuple(k_new), v=tuple(v_new), lengths=starts + t)
-    return ForwardOutput(logits=logits, cache=new_cache, taps=tapped, hidden=hidden)
+    if write_cache:
+      cache = kv_lib.KVCache(k=tuple(k_caches), v=tuple(v_caches), lengths=starts + t)
+    return ForwardOutput(logits=logits, cache=cache, taps=tapped, hidden=hidden,
+                         new_kv=tuple(new_kv))
