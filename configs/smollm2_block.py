@@ -56,7 +56,7 @@ def get_config(recipe: str = "") -> ConfigDict:
       c.objective = "loop_aware"
       c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="block",
                                         anchors_per_sequence=32))
-      c.num_steps = 200
+      c.num_steps = 150
       c.optim.learning_rate = 3e-4
       c.optim.warmup_steps = 5
   elif recipe:

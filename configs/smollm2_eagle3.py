@@ -65,7 +65,7 @@ def get_config(recipe: str = "") -> ConfigDict:
       c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="eagle3_ttt",
                                         step_decay=0.8))
       c.data.seq_len = 256
-      c.num_steps = 120
+      c.num_steps = 60
       c.optim.learning_rate = 3e-4
       c.optim.warmup_steps = 5
   elif recipe:

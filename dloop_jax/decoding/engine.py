@@ -325,7 +325,15 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
 
 
 def _bucket(n: int, *, minimum: int = 16) -> int:
-  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+  """Smallest of minimum, 2^k and 3 * 2^(k-1) (16, 24, 32, 48, 64, 96, ...) >= n.
+
+  Half-octave buckets bound the padding at a third of the size (a prompt or
+  cache padded to the next power of two wastes up to half of it; every forward
+  attends over the whole cache) for at most twice the compiled shapes.
+  """
+  n = max(n, minimum)
+  power = 1 << max(0, math.ceil(math.log2(n)))
+  return power * 3 // 4 if power * 3 // 4 >= n and power >= 4 else power
 
 
 def _is_int(value) -> bool:

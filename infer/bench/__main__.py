@@ -3,6 +3,7 @@
     python -m infer.bench --out bench_out                   # 20 prompts per category, 256 tokens
     python -m infer.bench --quick --out bench_out           # 3 prompts per category
     python -m infer.bench --drafters NAME_OR_PATH,... --sweep --out bench_out
+    python -m infer.bench --quick --no-drafters --max-new-tokens 128   # our ar vs transformers
 
 Methods, measured in one run on the same prompts, interleaved per prompt (the
 order rotates from prompt to prompt) after a warm-up: our `ar`; for every
@@ -43,6 +44,8 @@ def _parse(argv):
   p.add_argument("--drafters", default="",
                  help="comma-separated drafter names / export dirs (default: every drafter"
                       " shipped for the target)")
+  p.add_argument("--no-drafters", action="store_true",
+                 help="no speculative methods: our ar against the transformers peers only")
   p.add_argument("--categories", default="math,code,chat")
   p.add_argument("--prompts-per-category", type=int, default=20)
   p.add_argument("--quick", action="store_true", help="3 prompts per category")
@@ -136,8 +139,12 @@ def main(argv=None) -> int:
     stops = list(tok.stop_token_ids)
     _log(f"[bench] target {target.name} loaded in {time.perf_counter() - t0:.1f}s")
 
+    if args.no_drafters and args.drafters:
+      raise DLoopError("--no-drafters and --drafters exclude each other.")
     names = [n for n in args.drafters.split(",") if n.strip()] or drafter_io.shipped_drafters_for(
         target.model.config)
+    if args.no_drafters:
+      names = []
     drafters = []
     for name in names:
       d = drafter_io.load_drafter(name, target=target.model)
