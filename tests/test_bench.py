@@ -85,3 +85,10 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   for name in ("results.md", "speedup.png", "gate_sweep.png"):
     assert (out / name).stat().st_size > 0
   assert "| overall | dloop |" in (out / "results.md").read_text()
+
+
+def test_no_drafters_excludes_drafters():
+  proc = subprocess.run([sys.executable, "-m", "infer.bench", "--no-drafters", "--drafters", "x"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "--drafters: not allowed with argument --no-drafters" in proc.stderr

@@ -41,11 +41,12 @@ def _parse(argv):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="smollm2-135m-instruct",
                  help="registry name or .gguf path (the HF peers need a GGUF file)")
-  p.add_argument("--drafters", default="",
-                 help="comma-separated drafter names / export dirs (default: every drafter"
-                      " shipped for the target)")
-  p.add_argument("--no-drafters", action="store_true",
-                 help="no speculative methods: our ar against the transformers peers only")
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--drafters", default="",
+                     help="comma-separated drafter names / export dirs (default: every drafter"
+                          " shipped for the target)")
+  which.add_argument("--no-drafters", action="store_true",
+                     help="no speculative methods: our ar against the transformers peers only")
   p.add_argument("--categories", default="math,code,chat")
   p.add_argument("--prompts-per-category", type=int, default=20)
   p.add_argument("--quick", action="store_true", help="3 prompts per category")
@@ -139,8 +140,6 @@ def main(argv=None) -> int:
     stops = list(tok.stop_token_ids)
     _log(f"[bench] target {target.name} loaded in {time.perf_counter() - t0:.1f}s")
 
-    if args.no_drafters and args.drafters:
-      raise DLoopError("--no-drafters and --drafters exclude each other.")
     names = [n for n in args.drafters.split(",") if n.strip()] or drafter_io.shipped_drafters_for(
         target.model.config)
     if args.no_drafters:
