@@ -23,6 +23,7 @@ from flax import nnx
 
 import model_fixtures
 from dloop_jax.models.hf_loader import load_hf_dir
+from dloop_jax.models.kv_cache import write_kv
 from dloop_jax.models.transformer import Transformer
 
 # f32 rounding only: a forward over 1, 4 or 24 new tokens sums attention and
@@ -192,3 +193,19 @@ def test_read_only_forward_then_append_equals_writing_forward(models, kind):
           for r in range(batch):
             n = prefix[r] + CHUNK
             np.testing.assert_allclose(got[r, :n], want[r, :n], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [3, 21])  # straight-line rows, and the row loop
+def test_write_kv_puts_each_row_at_its_own_start(batch):
+  kv_heads, capacity, new, head = 2, 12, 3, 4
+  rng = np.random.default_rng(batch)
+  k_cache, v_cache = (rng.normal(size=(batch * kv_heads, capacity, head)).astype(np.float32)
+                      for _ in range(2))
+  k, v = (rng.normal(size=(batch, new, kv_heads, head)).astype(np.float32) for _ in range(2))
+  starts = rng.integers(0, capacity - new + 1, size=batch)
+  got_k, got_v = jax.jit(write_kv)(k_cache, v_cache, k, v, jnp.asarray(starts))
+  for got, cache, upd in ((got_k, k_cache, k), (got_v, v_cache, v)):
+    want = cache.reshape(batch, kv_heads, capacity, head).copy()
+    for r in range(batch):
+      want[r, :, starts[r]:starts[r] + new] = upd[r].transpose(1, 0, 2)
+    np.testing.assert_array_equal(np.asarray(got), want.reshape(cache.shape))

@@ -90,6 +90,10 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
   return jax.vmap(one)(buffer, update, starts)
 
 
+# Batches up to this size write their rows with straight-line code.
+_MAX_UNROLLED_ROWS = 16
+
+
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              starts: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Writes new keys / values [B, T, K, H] of one layer at slots `starts + t`.
@@ -103,10 +107,18 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 
   def write(cache, new):
     new = jnp.transpose(new, (0, 2, 1, 3)).astype(cache.dtype)  # [B, K, T, H]
-    # One dynamic_update_slice per row (XLA updates the loop-carried cache in
-    # place through it; a vmap would lower to a scatter that copied it).
+
+    # One dynamic_update_slice per row: XLA updates the loop-carried cache in
+    # place through it, where a vmap would lower to a scatter that copies it.
+    def write_row(row, cache):
+      return jax.lax.dynamic_update_slice(cache, new[row], (row * kv_heads, starts[row], 0))
+
+    if b > _MAX_UNROLLED_ROWS:
+      # Thousands of unrolled updates (sampling tests decode 3,000 rows) make
+      # a program XLA's compiler cannot handle; a loop keeps it small.
+      return jax.lax.fori_loop(0, b, write_row, cache)
     for row in range(b):
-      cache = jax.lax.dynamic_update_slice(cache, new[row], (row * kv_heads, starts[row], 0))
+      cache = write_row(row, cache)
     return cache
 
   return write(k_cache, k), write(v_cache, v)
