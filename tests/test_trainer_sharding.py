@@ -56,6 +56,12 @@ _SCRIPT = textwrap.dedent(r"""
                                           jax.tree.leaves(t.opt_state) if hasattr(x, "sharding")}),
                         mesh=dict(t.mesh.shape))
     base = runs["one"]
+    # Adam's first step moves a weight by lr * g / (|g| + eps): a full lr step
+    # wherever |g| >> eps, and there the update hardly depends on g's last bits.
+    lr = make_config((1, 1, 1)).optim.learning_rate
+    steady = {k: np.abs(base["params"][k] - base["initial"][k]) >= 0.99 * lr
+              for k in base["params"]}
+    out["lr"] = lr
     for name, r in runs.items():
       out[name] = dict(
           loss=r["loss"], grad_norm=r["grad_norm"], specs=r["specs"], shard_shapes=r["shard_shapes"], shapes=r["shapes"],
@@ -64,6 +70,11 @@ _SCRIPT = textwrap.dedent(r"""
                         for k in base["initial"]),
           param_diff=max(float(np.max(np.abs(r["params"][k] - base["params"][k])))
                          for k in base["params"]),
+          steady_param_diff=max(float(np.max(np.abs(r["params"][k] - base["params"][k]),
+                                             where=steady[k], initial=0.0))
+                                for k in base["params"]),
+          steady_fraction=sum(int(m.sum()) for m in steady.values())
+                          / sum(m.size for m in steady.values()),
           update_size=min(float(np.max(np.abs(base["params"][k] - base["initial"][k])))
                           for k in base["params"]))
     print("RESULT" + json.dumps(out))
@@ -91,10 +102,14 @@ def test_one_step_matches_single_device(results):
     assert r["init_diff"] == 0.0, name
     assert abs(r["loss"] - base["loss"]) <= 1e-6 * abs(base["loss"]), name
     assert abs(r["grad_norm"] - base["grad_norm"]) <= 1e-5 * base["grad_norm"], name
-    # Adam's first step moves every weight by about lr * g / |g|: entries with
-    # |g| near eps turn last-bit differences of the sharded reductions into
-    # ~1e-6 differences of the weights (the update itself is lr = 3e-3).
-    assert r["param_diff"] <= 1e-5, (name, r["param_diff"])
+    # Adam's first step moves every weight by lr * g / (|g| + eps). Where |g| >> eps
+    # (nearly all weights) that is a full lr step, insensitive to the order of the
+    # sharded reductions, and must agree closely. A weight whose gradient cancels
+    # to a few eps amplifies last-bit differences of g by up to lr / eps (seen:
+    # 2.4e-5 on one of 2,048 entries), but still moves by less than lr.
+    assert r["steady_fraction"] >= 0.9, (name, r["steady_fraction"])
+    assert r["steady_param_diff"] <= 1e-6, (name, r["steady_param_diff"])
+    assert r["param_diff"] <= results["lr"], (name, r["param_diff"])
 
 
 def test_params_are_sharded(results):
