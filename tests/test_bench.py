@@ -66,7 +66,7 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math,code",
        "--prompts-per-category", "1", "--max-new-tokens", "12",
-       "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-1,0",
+       "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-inf,0",
        "--sweep-max-stages=2", "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -81,7 +81,9 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   for row in rows:
     assert row["identical_to_ar"] == 1.0 or row["lossless_vs_ar"] == 1.0, row
   assert len(result["records"]) == 2 * 3
-  assert {(p["gate"], p["max_stages"]) for p in result["sweep"]} == {(-1.0, 2), (0.0, 2)}
+  assert {(p["gate"], p["max_stages"]) for p in result["sweep"]} == {(-float("inf"), 2), (0.0, 2)}
+  always = next(p for p in result["sweep"] if p["gate"] == -float("inf"))
+  assert always["stages_per_round"] == 2.0  # g = -inf drafts S_max stages every round
   for name in ("results.md", "speedup.png", "gate_sweep.png"):
     assert (out / name).stat().st_size > 0
   assert "| overall | dloop |" in (out / "results.md").read_text()

@@ -118,15 +118,28 @@ def plot_sweep(points: Sequence[dict], path: str) -> None:
   series = collections.defaultdict(list)
   for p in points:
     series[(p["drafter"], p["max_stages"])].append(p)
+  # g = -inf (always draft S_max stages) is drawn one step left of the finite gates.
+  finite = sorted({p["gate"] for p in points if math.isfinite(p["gate"])}) or [0.0]
+  step = (finite[-1] - finite[0]) / max(len(finite) - 1, 1) or 1.0
+  minus_inf_at = finite[0] - step
+
+  def x_of(gate: float) -> float:
+    return minus_inf_at if gate == -math.inf else gate
+
   for (drafter, s_max), pts in sorted(series.items()):
     pts = sorted(pts, key=lambda p: p["gate"])
     label = f"{drafter}, S_max={s_max}"
-    ax_tau.plot([p["gate"] for p in pts], [p["acceptance_length"] for p in pts], "o-", label=label)
-    ax_speed.plot([p["gate"] for p in pts], [p["speedup_vs_ar"] for p in pts], "o-", label=label)
+    xs = [x_of(p["gate"]) for p in pts]
+    ax_tau.plot(xs, [p["acceptance_length"] for p in pts], "o-", label=label)
+    ax_speed.plot(xs, [p["speedup_vs_ar"] for p in pts], "o-", label=label)
+  has_minus_inf = any(p["gate"] == -math.inf for p in points)
   for ax, name in ((ax_tau, "acceptance length τ"), (ax_speed, "speedup vs autoregressive")):
     ax.set_xlabel("gate g")
     ax.set_ylabel(name)
     ax.grid(alpha=0.3)
+    if has_minus_inf:
+      ticks = [minus_inf_at] + finite
+      ax.set_xticks(ticks, ["-∞"] + [f"{g:g}" for g in finite])
   ax_speed.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
