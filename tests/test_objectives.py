@@ -220,7 +220,7 @@ def test_loop_aware_fine_tune_lowers_the_last_stage_loss(learnable):
 @pytest.mark.skipif(not os.environ.get("DLOOP_MEASURE"),
                     reason="a measurement (minutes), not a check: set DLOOP_MEASURE=1")
 @pytest.mark.parametrize("kind", ["eagle3", "block"])
-@pytest.mark.parametrize("init_std", [0.2, 0.3])
+@pytest.mark.parametrize("init_std", [0.1, 0.2, 0.3])
 def test_measure_loop_aware_effect_on_dloop(kind, init_std):
   """Same start, same extra steps: base objective vs loop-aware fine-tune, engine-measured."""
   target = tiny_target(seed=1, init_std=init_std)
