@@ -94,3 +94,23 @@ def test_no_drafters_excludes_drafters():
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2
   assert "--drafters: not allowed with argument --no-drafters" in proc.stderr
+
+
+def test_a_run_that_compiled_is_repeated_and_the_repeat_timed():
+  from infer.bench import methods
+
+  class Fake:
+    def __init__(self, compiles):
+      self.calls, self.compiles = 0, compiles
+
+    def run(self, ids, **kw):
+      self.calls += 1
+      cold = self.calls == 1 and self.compiles
+      return methods.Run(tokens=list(ids), seconds=5.0 if cold else 2.0,
+                         compile_seconds=1.5 if cold else 0.0)
+
+  fresh, warm = Fake(compiles=True), Fake(compiles=False)
+  run = methods.timed_run(fresh, [1, 2], gate=-1.0)
+  assert (fresh.calls, run.seconds, run.compile_seconds) == (2, 2.0, 1.5)
+  run = methods.timed_run(warm, [1, 2])
+  assert (warm.calls, run.seconds, run.compile_seconds) == (1, 2.0, 0.0)

@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     records = []
     for i, (p, ids) in enumerate(prompts):
       order = methods[i % len(methods):] + methods[:i % len(methods)]
-      runs = {id(m): m.run(ids) for m in order}
+      runs = {id(m): methods_lib.timed_run(m, ids) for m in order}
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
       ar_tokens = recs[0]["tokens"]
       for rec in recs:
@@ -273,7 +273,8 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
     for s_max in args.sweep_max_stages:
       m.run(chosen[0][1], max_stages=s_max)  # compile (the gate is traced: once per S_max)
       for g in args.sweep_gates:
-        recs = [_record(p, m, m.run(ids, gate=g, max_stages=s_max), prompt_len=len(ids))
+        recs = [_record(p, m, methods_lib.timed_run(m, ids, gate=g, max_stages=s_max),
+                        prompt_len=len(ids))
                 for p, ids in chosen]
         # The same aggregation as the main table, over these prompts and their ar runs.
         row = next(r for r in report.summarize(ar + recs)
