@@ -14,7 +14,7 @@ from dloop_jax.drafters import io as drafter_io
 from dloop_jax.models.config import tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = ("smollm2-135m-instruct-eagle3", "smollm2-135m-instruct-block")
+SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-eagle3")
 PROMPTS = ("What is 17 times 23? Explain step by step.",
            "Write a Python function that reverses a string.")
 
@@ -61,6 +61,6 @@ def test_infer_defaults_to_dloop_with_the_best_shipped_drafter():
        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rec = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert rec["mode"] == "dloop" and rec["drafter"] == "eagle3"
+  assert rec["mode"] == "dloop" and rec["drafter"] == "block"
   assert rec["new_tokens"] == len(rec["output_ids"]) > 0
   assert rec["acceptance_length"] >= 1.0 and rec["rounds"] >= 1
