@@ -271,7 +271,7 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
     m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
                          block_size=args.block_size, **common)
     for s_max in args.sweep_max_stages:
-      m.run(chosen[0][1], max_stages=s_max)  # compile (the gate is traced: once per S_max)
+      # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
       for g in args.sweep_gates:
         recs = [_record(p, m, methods_lib.timed_run(m, ids, gate=g, max_stages=s_max),
                         prompt_len=len(ids))
