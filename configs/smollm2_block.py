@@ -6,7 +6,7 @@
         --config.data.path=<dataset dir> --config.init_from=runs/smollm2_block
 """
 
-from dloop_jax.training.config import base_config
+from dloop_jax.training.config import base_config, loop_aware_fine_tune
 from ml_collections import ConfigDict
 
 
@@ -29,12 +29,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.checkpoint.every_steps = 1000
   c.checkpoint.keep = 3
   if recipe == "loop":
-    c.objective = "loop_aware"
-    c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="block",
-                                      anchors_per_sequence=16))
-    c.num_steps = 5_000
-    c.optim.learning_rate = 1e-4
-    c.optim.warmup_steps = 100
+    loop_aware_fine_tune(c, num_steps=5_000, learning_rate=1e-4, warmup_steps=100)
   elif recipe in ("cpu", "cpu_loop"):
     # The shipped drafter: sized for a CPU verifier (gamma = 4: verification
     # widths 5 / 9 / 13), 2 layers, a reduced 8,192-token head; a short
@@ -53,12 +48,7 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.checkpoint.every_steps = 50
     c.checkpoint.keep = 2
     if recipe == "cpu_loop":
-      c.objective = "loop_aware"
-      c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="block",
-                                        anchors_per_sequence=32))
-      c.num_steps = 150
-      c.optim.learning_rate = 3e-4
-      c.optim.warmup_steps = 5
+      loop_aware_fine_tune(c, num_steps=150, learning_rate=3e-4, warmup_steps=5)
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu' or 'cpu_loop'.")
   return c

@@ -14,7 +14,7 @@ On accelerators add `--config.target.dtype=bfloat16` and size the mesh, e.g.
 `--config.mesh.data=-1 --config.mesh.fsdp=4`.
 """
 
-from dloop_jax.training.config import base_config
+from dloop_jax.training.config import base_config, loop_aware_fine_tune
 from ml_collections import ConfigDict
 
 
@@ -38,13 +38,8 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.checkpoint.every_steps = 1000
   c.checkpoint.keep = 3
   if recipe == "loop":
-    c.objective = "loop_aware"
-    c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="eagle3_ttt",
-                                      ttt_steps=7, step_decay=0.8))
     # About one epoch of fine-tuning from the normally trained drafter.
-    c.num_steps = 5_000
-    c.optim.learning_rate = 3e-5
-    c.optim.warmup_steps = 100
+    loop_aware_fine_tune(c, num_steps=5_000, learning_rate=3e-5, warmup_steps=100)
   elif recipe in ("cpu", "cpu_loop"):
     # The shipped drafter: a short schedule that fits a 2-core CPU (about two
     # epochs of 1,000 regenerated ShareGPT answers, then a loop-aware pass).
@@ -61,13 +56,9 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.checkpoint.every_steps = 30
     c.checkpoint.keep = 2
     if recipe == "cpu_loop":
-      c.objective = "loop_aware"
-      c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="eagle3_ttt",
-                                        step_decay=0.8))
+      # (The loop-aware objective unrolls its stages itself: ttt_steps is unused.)
+      loop_aware_fine_tune(c, num_steps=60, learning_rate=3e-4, warmup_steps=5)
       c.data.seq_len = 256
-      c.num_steps = 60
-      c.optim.learning_rate = 3e-4
-      c.optim.warmup_steps = 5
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu' or 'cpu_loop'.")
   return c

@@ -7,7 +7,7 @@
 The second command is the recipe's loop-aware fine-tune of the first run.
 """
 
-from dloop_jax.training.config import base_config
+from dloop_jax.training.config import base_config, loop_aware_fine_tune
 from ml_collections import ConfigDict
 
 
@@ -28,12 +28,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.optim.warmup_steps = 20
   c.checkpoint.every_steps = 100
   if recipe == "loop":
-    c.objective = "loop_aware"
-    c.objective_cfg = ConfigDict(dict(max_stages=3, base_objective="eagle3_ttt",
-                                      ttt_steps=3, step_decay=0.8))
-    c.num_steps = 100
-    c.optim.learning_rate = 1e-3
-    c.optim.warmup_steps = 10
+    loop_aware_fine_tune(c, num_steps=100, learning_rate=1e-3, warmup_steps=10)
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '' or 'loop'.")
   return c

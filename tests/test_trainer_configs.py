@@ -34,6 +34,18 @@ def test_loop_recipe_keeps_the_drafter(name, loop_name, monkeypatch):
   assert loop.objective == "loop_aware"
   assert loop.drafter.to_dict() == base.drafter.to_dict()  # init_from must fit
   assert loop.target.to_dict() == base.target.to_dict()
+  # The fine-tune keeps the first step's objective settings, as its base objective's.
+  assert loop.objective_cfg.base_objective == base.objective
+  for key, value in base.objective_cfg.items():
+    assert loop.objective_cfg[key] == value
+
+
+def test_loop_aware_fine_tune_refuses_a_loop_aware_config():
+  c = config_lib.loop_aware_fine_tune(config_lib.base_config(), num_steps=10, learning_rate=1e-4,
+                                      warmup_steps=1)
+  assert (c.objective, c.objective_cfg.max_stages, c.num_steps) == ("loop_aware", 3, 10)
+  with pytest.raises(config_lib.ConfigError, match="already fine-tunes loop-aware"):
+    config_lib.loop_aware_fine_tune(c, num_steps=10, learning_rate=1e-4, warmup_steps=1)
 
 
 def test_config_files_are_locked():

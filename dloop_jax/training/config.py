@@ -93,6 +93,28 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def loop_aware_fine_tune(c: ml_collections.ConfigDict, *, num_steps: int,
+                         learning_rate: float, warmup_steps: int,
+                         max_stages: int = 3) -> ml_collections.ConfigDict:
+  """The recipe's second step (DESIGN.md section 1) from the config of its first.
+
+  Same drafter, target and data; the objective becomes `loop_aware` over up to
+  `max_stages` stages of the first step's objective (its settings kept), with
+  a shorter schedule. Run it with `--config.init_from=<first step's workdir>`.
+  """
+  base = c.objective
+  if base == "loop_aware":
+    raise ConfigError("loop_aware_fine_tune needs the config of a normally trained drafter;"
+                      " this one already fine-tunes loop-aware.")
+  settings = dict(to_plain(c.objective_cfg), max_stages=max_stages, base_objective=base)
+  c.objective = "loop_aware"
+  c.objective_cfg = ml_collections.ConfigDict(settings)
+  c.num_steps = num_steps
+  c.optim.learning_rate = learning_rate
+  c.optim.warmup_steps = warmup_steps
+  return c
+
+
 def _walk(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
   for key, value in config.items():
     path = f"{prefix}{key}"
