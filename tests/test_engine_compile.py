@@ -41,6 +41,16 @@ def test_one_compile_per_shape(tiny, drafter):
   assert engine.trace_count() == traces + 1 and again.compile_seconds == 0.0
 
 
+def test_clear_compiled_frees_the_programs(tiny):
+  kw = dict(max_new_tokens=MAX_NEW + 5)
+  generate(tiny, [[1, 2, 3]], **kw)
+  assert generate(tiny, [[4, 5]], **kw).compile_seconds == 0.0
+  engine.clear_compiled()
+  traces = engine.trace_count()
+  again = generate(tiny, [[4, 5]], **kw)
+  assert again.compile_seconds > 0 and engine.trace_count() == traces + 1
+
+
 def _subjaxprs(eqn):
   for value in eqn.params.values():
     for v in value if isinstance(value, (tuple, list)) else (value,):

@@ -324,6 +324,20 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   return loop.out[:, :s.max_new_tokens], loop.num_new, loop.stats, loop.features
 
 
+def clear_compiled() -> None:
+  """Frees every program `generate()` has compiled (one per mode and shape bucket).
+
+  Each compiled XLA:CPU program holds its own memory mappings; a process that
+  compiles hundreds of shapes (a sweep over many configurations, a test suite)
+  can reach the kernel's per-process limit (`vm.max_map_count`), where XLA
+  aborts. The next call of a shape compiles it again. JAX's own caches hold
+  the same executables, so they are cleared too (`jax.clear_caches()`: other
+  jitted functions recompile on their next call as well).
+  """
+  _COMPILED.clear()
+  jax.clear_caches()
+
+
 def _bucket(n: int, *, minimum: int = 16) -> int:
   """Smallest of minimum, 2^k and 3 * 2^(k-1) (16, 24, 32, 48, 64, 96, ...) >= n.
 
