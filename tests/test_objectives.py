@@ -236,7 +236,7 @@ def _loop_aware_against_base(kind: str, *, init_std: float, seed: int) -> dict[s
              for i in range(0, len(train), 16)]
   base, cfg = (("eagle3_ttt", {"ttt_steps": GAMMA}) if kind == "eagle3"
                else ("block", {"anchors_per_sequence": 8}))
-  loop_cfg = {k: v for k, v in cfg.items() if k != "ttt_steps"} | {"loop_stages": 3}
+  loop_cfg = dict(cfg, loop_stages=3)  # (loop-aware unrolls its own stages: ttt_steps unused)
   drafter = _drafter(target, kind, seed=seed)
   draft_training.train(drafter, batches, objective=base, cfg=cfg, steps=1500,
                        learning_rate=3e-3, seed=1000 * seed)
