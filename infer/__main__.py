@@ -34,6 +34,10 @@ def _parse(argv):
   p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
   p.add_argument("--max-stages", type=int, default=3, help="S_max: stages per verification")
+  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
+                 help="storage of the target's weight matrices (f32: greedy outputs of every"
+                      " mode equal; bf16: cheaper multi-token forwards on CPU, see"
+                      " docs/benchmarks.md)")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   return p.parse_args(argv)
 
@@ -49,7 +53,7 @@ def main(argv=None) -> int:
 
   try:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    target = load_target(args.target)
+    target = load_target(args.target, weights=args.weights)
     tok = target.tokenizer
     if args.prompts_file:
       with open(args.prompts_file) as f:

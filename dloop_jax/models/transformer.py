@@ -30,6 +30,7 @@ Hugging Face (`rotate_half`) RoPE layout.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,9 @@ class ForwardOutput:
 
 LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm",
                  "w_gate_up", "w_down")
+# The matrices that `weight_dtype` applies to (norms and biases stay in `dtype`).
+MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate_up",
+                  "layers.w_down")
 
 
 def random_layer_weights(config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -157,7 +161,7 @@ class DecoderLayer(nnx.Module):
     b, t, _ = h.shape
     eps = c.rms_norm_eps
     x = rms_norm(h, self.attn_norm[...], eps)
-    qkv = x @ self.wqkv[...]
+    qkv = dense(x, self.wqkv[...])
     if self.bqkv is not None:
       qkv = qkv + self.bqkv[...]
     q = qkv[..., :c.q_size].reshape(b, t, c.num_heads, c.head_dim)
@@ -175,11 +179,55 @@ class DecoderLayer(nnx.Module):
       cache_mask, new_mask = masks
       out = attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
                                cache_mask=cache_mask, new_mask=new_mask)
-    h = h + out @ self.wo[...]
+    h = h + dense(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
-    gate, up = jnp.split(x @ self.w_gate_up[...], 2, axis=-1)
-    h = h + (jax.nn.silu(gate) * up) @ self.w_down[...]
+    gate, up = jnp.split(dense(x, self.w_gate_up[...]), 2, axis=-1)
+    h = h + dense(jax.nn.silu(gate) * up, self.w_down[...])
     return h, k_cache, v_cache, k, v
+
+
+def _is_half(dtype) -> bool:
+  return jnp.dtype(dtype).itemsize == 2
+
+
+def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]:
+  """x [..., K] times w along w's axis `contract` (K), accumulated in f32.
+
+  With 16-bit weights and activations of another dtype, x is rounded to the
+  weights' dtype (the operands of one product share a dtype) and the product
+  accumulates in f32. A product of a single row with 16-bit weights is padded
+  to two: XLA:CPU's matrix-vector kernel has no fast 16-bit path (about 10x
+  slower than f32), while its 2-row matrix product streams the half-size
+  weights at the speed of an f32 matrix-vector product. The product then
+  gives a row the same bits whether it arrives alone or with others (XLA:CPU's
+  f32 matrix-vector kernel does not: it differs from the matrix product in the
+  last bits).
+
+  Returns:
+    (f32 product [..., N], x's original dtype).
+  """
+  out_dtype = x.dtype
+  if x.dtype != w.dtype:
+    x = x.astype(w.dtype)
+  lead = x.shape[:-1]
+  rows = int(np.prod(lead)) if lead else 1
+  flat = x.reshape(rows, x.shape[-1])
+  if rows == 1 and _is_half(w.dtype):
+    flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
+  out = jax.lax.dot_general(flat, w, (((1,), (contract,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return out[:rows].reshape(lead + (out.shape[-1],)), out_dtype
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] @ w [K, N] -> [..., N] in x's dtype (f32 accumulation).
+
+  See `_product` for weights stored in another (16-bit) dtype.
+  """
+  if x.dtype == w.dtype and not _is_half(w.dtype):
+    return x @ w
+  out, dtype = _product(x, w, 0)
+  return out.astype(dtype)
 
 
 def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
@@ -188,8 +236,7 @@ def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   Tied heads read the embedding [V, D] as is: `embed.T` would make XLA copy the
   whole matrix (113 MB for SmolLM2) in every forward on CPU.
   """
-  out = jax.lax.dot_general(hidden, rows, (((hidden.ndim - 1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+  out, _ = _product(hidden, rows, 1)
   return out.astype(jnp.float32)
 
 
@@ -308,29 +355,50 @@ class Transformer(nnx.Module):
   """Decoder-only LM whose forward takes and returns an explicit KV cache."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
-               dtype=jnp.float32, init_std: float = 0.02):
+               dtype=jnp.float32, weight_dtype=None, init_std: float = 0.02):
     """Random initialisation (loaders use `from_params`).
 
-    `init_std` above the usual 0.02 gives tiny test targets peaked,
-    non-uniform next-token distributions, so drafters have something to learn.
+    Args:
+      config: the architecture.
+      rngs: initialisation keys.
+      dtype: activations, KV cache, norms and biases.
+      weight_dtype: storage of the weight matrices (`MATRIX_WEIGHTS`); None =
+        `dtype`. bf16 matrices with f32 activations halve the bytes a forward
+        streams; products then accumulate in f32 (see `dense`).
+      init_std: above the usual 0.02 gives tiny test targets peaked,
+        non-uniform next-token distributions, so drafters have something to
+        learn.
     """
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = dtype
+    self.weight_dtype = jnp.dtype(dtype if weight_dtype is None else weight_dtype)
     c = config
     init = nnx.initializers.normal(init_std)
-    self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), dtype))
+    self.embed = nnx.Param(self._stored(
+        "embed", init(rngs.params(), (c.vocab_size, c.hidden_size), dtype)))
     stacked = random_layer_weights(c, rngs=rngs, dtype=dtype, init_std=init_std)
+    stacked = {name: self._stored(f"layers.{name}", w) for name, w in stacked.items()}
     self.layers = _split_layers(stacked, c.num_layers)
     self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), dtype))
-    self.lm_head = (None if c.tie_embeddings else nnx.Param(
-        init(rngs.params(), (c.hidden_size, c.vocab_size), dtype)))
+    self.lm_head = (None if c.tie_embeddings else nnx.Param(self._stored(
+        "lm_head", init(rngs.params(), (c.hidden_size, c.vocab_size), dtype))))
+
+  def _stored(self, name: str, value):
+    """`value` in the storage dtype of parameter `name` (`param_shapes` names)."""
+    dtype = self.weight_dtype if name in MATRIX_WEIGHTS else self.dtype
+    if isinstance(value, np.ndarray):
+      return np.asarray(value, dtype)
+    return jnp.asarray(value, dtype)
 
   # ----------------------------------------------------------------- weights
   @classmethod
   def from_params(cls, config: TransformerConfig, params: Mapping[str, np.ndarray], *,
-                  dtype=jnp.float32, source: str = "") -> "Transformer":
-    """Builds a model from a flat `{name: array}` dict in `param_shapes` layout."""
+                  dtype=jnp.float32, weight_dtype=None, source: str = "") -> "Transformer":
+    """Builds a model from a flat `{name: array}` dict in `param_shapes` layout.
+
+    `dtype` and `weight_dtype` as in the constructor.
+    """
     expected = param_shapes(config)
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
@@ -343,12 +411,13 @@ class Transformer(nnx.Module):
         raise ModelLoadError(
             f"Weight {name!r}{' in ' + source if source else ''} has shape"
             f" {tuple(params[name].shape)}, the config needs {shape}.")
-    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype))
-    model.embed = nnx.Param(jnp.asarray(params["embed"], dtype))
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                       weight_dtype=weight_dtype))
+    model.embed = nnx.Param(jnp.asarray(model._stored("embed", np.asarray(params["embed"]))))
     model.final_norm = nnx.Param(jnp.asarray(params["final_norm"], dtype))
     if "lm_head" in params:
-      model.lm_head = nnx.Param(jnp.asarray(params["lm_head"], dtype))
-    stacked = {name.split(".", 1)[1]: np.asarray(value, dtype)
+      model.lm_head = nnx.Param(jnp.asarray(model._stored("lm_head", np.asarray(params["lm_head"]))))
+    stacked = {name.split(".", 1)[1]: model._stored(name, np.asarray(value))
                for name, value in params.items() if name.startswith("layers.")}
     model.layers = _split_layers(stacked, config.num_layers)
     return model
@@ -376,8 +445,8 @@ class Transformer(nnx.Module):
     """Final-normed hidden [..., D] -> f32 logits [..., V]."""
     if self.lm_head is None:
       return project_rows(hidden, self.embed[...])
-    return jnp.dot(hidden, self.lm_head[...],
-                   preferred_element_type=jnp.float32).astype(jnp.float32)
+    out, _ = _product(hidden, self.lm_head[...], 0)
+    return out.astype(jnp.float32)
 
   def __call__(
       self,

@@ -61,6 +61,8 @@ def _parse(argv):
                  help="gamma for sd and dloop (default: each drafter's trained block size)")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop gate g")
   p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
+  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
+                 help="storage of our target's weight matrices")
   p.add_argument("--no-peers", action="store_true", help="leave out the transformers peers")
   p.add_argument("--pld-tokens", type=int, default=10,
                  help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     if per_category < 1:
       raise DLoopError("--prompts-per-category must be >= 1.")
     t0 = time.perf_counter()
-    target = registry.load_target(args.target)
+    target = registry.load_target(args.target, weights=args.weights)
     tok = target.tokenizer
     if tok is None:
       raise DLoopError(f"Target {target.name!r} has no tokenizer; the benchmark needs one.")

@@ -1,0 +1,105 @@
+"""Weight storage (`weights="bf16"`): products, loading, and greedy losslessness."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import drafter_fixtures
+import model_fixtures
+from dloop_jax.decoding import generate
+from dloop_jax.errors import ConfigError
+from dloop_jax.models import load_target
+from dloop_jax.models.registry import weight_dtype
+from dloop_jax.models.transformer import MATRIX_WEIGHTS, Transformer, dense, project_rows
+from lossless import assert_same_or_near_tie
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny):
+  return Transformer.from_params(tiny.config, tiny.flat_params(), weight_dtype=jnp.bfloat16)
+
+
+def test_single_row_product_equals_its_row_in_a_wider_product():
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal((96, 160)) * 0.1, jnp.bfloat16)
+  rows = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
+  one = jax.jit(dense)(rows[:1], w)
+  five = jax.jit(dense)(rows, w)
+  assert one.dtype == jnp.float32 and one.shape == (1, 160)
+  np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(five[0]))
+  # bf16 operands, f32 accumulation: close to the f32 product.
+  exact = np.asarray(rows, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(np.asarray(five), exact, rtol=0, atol=0.05)
+  head = jnp.asarray(rng.standard_normal((200, 96)) * 0.1, jnp.bfloat16)  # tied head [V, D]
+  np.testing.assert_array_equal(np.asarray(jax.jit(project_rows)(rows[:1], head)[0]),
+                                np.asarray(jax.jit(project_rows)(rows, head)[0]))
+
+
+def test_single_row_product_is_padded_to_two_rows():
+  w = jnp.zeros((8, 4), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(dense)(jnp.zeros((1, 1, 8), jnp.float32), w)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert [tuple(d.invars[0].aval.shape) for d in dots] == [(2, 8)]
+  f32 = jax.make_jaxpr(dense)(jnp.zeros((1, 1, 8), jnp.float32), w.astype(jnp.float32))
+  assert [tuple(e.invars[0].aval.shape) for e in f32.jaxpr.eqns
+          if e.primitive.name == "dot_general"] == [(1, 1, 8)]
+
+
+def test_bf16_weights_store_matrices_in_bf16_and_the_rest_in_f32(tiny, tiny_bf16):
+  params = tiny_bf16.flat_params()
+  for name, value in params.items():
+    want = jnp.bfloat16 if name in MATRIX_WEIGHTS else jnp.float32
+    assert value.dtype == want, name
+  tokens = jnp.asarray([[3, 5, 7, 11]], jnp.int32)
+  positions = jnp.arange(4)[None]
+
+  def logits(model):
+    cache = model.init_cache(batch_size=1, capacity=8)
+    return np.asarray(model(tokens, positions=positions, cache=cache).logits)
+
+  ref, got = logits(tiny), logits(tiny_bf16)
+  assert got.dtype == np.float32
+  # Same model up to bf16 rounding of weights and activations.
+  assert np.max(np.abs(got - ref)) < 0.05 * np.max(np.abs(ref))
+  assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_weight_dtype_names_and_errors():
+  assert weight_dtype("bf16") == jnp.bfloat16
+  assert weight_dtype("F32") == jnp.float32
+  assert weight_dtype(None, default=jnp.bfloat16) == jnp.bfloat16
+  with pytest.raises(ConfigError, match="weights must be one of"):
+    weight_dtype("fp8")
+  with pytest.raises(ConfigError, match="float32 or bfloat16"):
+    weight_dtype(jnp.int8)
+
+
+def test_load_target_with_bf16_weights(tmp_path):
+  tiny_hf_dir = model_fixtures.save_hf(model_fixtures.tiny_hf_model("llama_tied"),
+                                       str(tmp_path / "tiny"))
+  f32 = load_target(tiny_hf_dir)
+  bf16 = load_target(tiny_hf_dir, weights="bf16")
+  assert f32.model.layers[0].w_down[...].dtype == jnp.float32
+  assert bf16.model.layers[0].w_down[...].dtype == jnp.bfloat16
+  assert bf16.model.layers[0].attn_norm[...].dtype == jnp.float32
+  np.testing.assert_array_equal(
+      np.asarray(bf16.model.embed[...]), np.asarray(f32.model.embed[...]).astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("gamma,max_stages,batch", [(3, 1, 1), (2, 3, 3)])
+def test_greedy_lossless_with_bf16_weights(tiny_bf16, gamma, max_stages, batch):
+  drafter = drafter_fixtures.perturbed(tiny_bf16, noise_scale=1.0, seed=3)
+  rng = np.random.default_rng(gamma * 10 + max_stages + batch)
+  for _ in range(2):
+    prompts = [rng.integers(0, 64, size=int(rng.integers(1, 12))).tolist() for _ in range(batch)]
+    ar = generate(tiny_bf16, prompts, max_new_tokens=20)
+    for mode, gate in [("sd", -0.5), ("dloop", -0.5), ("dloop", -math.inf)]:
+      out = generate(tiny_bf16, prompts, max_new_tokens=20, mode=mode, drafter=drafter,
+                     block_size=gamma, gate=gate, max_stages=max_stages)
+      for p, want, got in zip(prompts, ar.tokens, out.tokens):
+        assert_same_or_near_tie(tiny_bf16, p, want, got)
