@@ -29,6 +29,7 @@ width 1 and at least the widest width a program verifies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -190,6 +191,14 @@ def _path(key: Mapping[str, Any], directory: str | None) -> str:
   return os.path.join(directory or cache_dir(), "costs", f"{digest}.json")
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graph, state, tokens, cache):
+  """A verification-like forward: reads the cache, does not write it."""
+  model = nnx.merge(graph, state)
+  positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  return model(tokens, positions=positions, cache=cache, write_cache=False).logits
+
+
 def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS,
               repeats: int = 7) -> CostTable:
   """Measures the target forward's time per width (ms, median of `repeats`).
@@ -208,11 +217,8 @@ def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS
   if fill + max(widths) > target.config.max_position_embeddings:
     fill = max(0, target.config.max_position_embeddings - max(widths))
 
-  @jax.jit
   def forward(state, tokens, cache):
-    model = nnx.merge(graph, state)
-    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-    return model(tokens, positions=positions, cache=cache, write_cache=False).logits
+    return _forward(graph, state, tokens, cache)
 
   cache = target.init_cache(batch_size=batch_size, capacity=capacity)
   cache = cache.with_lengths(jnp.full((batch_size,), fill, jnp.int32))
