@@ -70,7 +70,7 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   out = tmp_path / "bench"
   proc = subprocess.run(
       [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math,code",
-       "--prompts-per-category", "1", "--max-new-tokens", "12",
+       "--prompts-per-category", "1", "--max-new-tokens", "12", "--max-stages", "2",
        "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-inf,0",
        "--sweep-max-stages=2", "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
