@@ -34,7 +34,10 @@ def main(argv=None) -> int:
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
   try:
-    widths = [int(w) for w in args.widths.split(",") if w.strip()]
+    try:
+      widths = [int(w) for w in args.widths.split(",") if w.strip()]
+    except ValueError:
+      widths = [0]
     if any(w < 1 for w in widths):
       raise DLoopError(f"--widths must be integers >= 1, got {args.widths!r}.")
     if args.batch_size < 1:
