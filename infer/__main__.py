@@ -3,6 +3,7 @@
     python -m infer --prompt "What is 2 + 2?"
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
+    python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def _parse(argv):
                  help="storage of the target's weight matrices (f32: greedy outputs of every"
                       " mode equal; bf16: cheaper multi-token forwards on CPU, see"
                       " docs/benchmarks.md)")
+  p.add_argument("--schedule", choices=("cost", "off"), default="cost",
+                 help="cost: verify only the prefix of the drafts expected to pay for its"
+                      " verification (per-width cost table of this target on this machine);"
+                      " off: verify every draft")
+  p.add_argument("--costs", default=None,
+                 help="JSON cost table to schedule with (default: $DLOOP_COSTS, else the"
+                      " cached table of the target, measured on first use; see"
+                      " python -m infer.costs)")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   return p.parse_args(argv)
 
@@ -86,7 +95,7 @@ def main(argv=None) -> int:
       out = generate(target.model, [ids], max_new_tokens=args.max_new_tokens, mode=mode,
                      drafter=drafter, block_size=args.block_size, gate=args.gate,
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
-                     stop_tokens=stop)
+                     stop_tokens=stop, schedule=args.schedule, costs=args.costs)
       new = out.tokens[0]
       answer = tok.decode(new, skip_special_tokens=True)
       row = out.rows[0]
@@ -98,14 +107,18 @@ def main(argv=None) -> int:
                    target_forwards=row.target_forwards, mode=mode,
                    drafter=getattr(drafter, "name", None),
                    acceptance_length=row.acceptance_length, rounds=row.rounds,
-                   stages_per_round=row.stages_per_round)
+                   stages_per_round=row.stages_per_round,
+                   schedule=args.schedule if mode != "ar" else None, drafted=row.drafted,
+                   verified=row.verified, plain_rounds=row.plain_rounds)
         print(json.dumps(rec), flush=True)
       else:
         print(answer)
         tps = row.new_tokens / out.seconds if out.seconds else math.nan
         print(f"[{mode}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
               f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
-              + (f", tau {row.acceptance_length:.2f}" if mode != "ar" else ""), file=sys.stderr)
+              + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
+                 f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else ""),
+              file=sys.stderr)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -11,11 +11,27 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import gc  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
 from dloop_jax.decoding import clear_compiled  # noqa: E402
 from dloop_jax.models.config import tiny_target  # noqa: E402
+
+
+# The scheduler's cost table. Tests never calibrate unless they ask to (timing
+# would make their schedules depend on the machine's load) and never read or
+# write the user's cache: every generate(costs=None) gets this table, the
+# per-width costs of a target forward measured for SmolLM2-135M on a 2-core CPU
+# (ms; 3 interpolated, 17 and 25 extrapolated; steep, as on CPUs). Tests of
+# calibration and caching set their own.
+CPU_COSTS = {1: 30.0, 2: 40.4, 3: 46.0, 5: 51.7, 9: 63.6, 13: 66.8, 17: 72.0, 25: 82.0}
+_TEST_CACHE = tempfile.mkdtemp(prefix="dloop_jax_tests_")
+os.environ["DLOOP_CACHE_DIR"] = _TEST_CACHE
+os.environ["DLOOP_COSTS"] = os.path.join(_TEST_CACHE, "cpu_costs.json")
+with open(os.environ["DLOOP_COSTS"], "w") as _f:
+  json.dump({"costs": {str(w): c for w, c in CPU_COSTS.items()}}, _f)
 
 
 @pytest.fixture(autouse=True, scope="module")

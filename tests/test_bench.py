@@ -18,20 +18,22 @@ REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar
 
 
 def _rec(category, method, drafter, tokens, seconds, *, rounds=0, committed=0, hist=(),
-         identical=True):
+         identical=True, drafted=0, verified=0, plain=0):
   return dict(category=category, method=method, drafter=drafter, new_tokens=tokens,
               seconds=seconds, rounds=rounds, committed_in_rounds=committed,
               stage_histogram=list(hist), target_forwards=rounds + 1, drafter_forwards=0,
-              identical_to_ar=identical, lossless_vs_ar=True)
+              identical_to_ar=identical, lossless_vs_ar=True, drafted=drafted,
+              verified=verified, plain_rounds=plain)
 
 
 def test_summary_sums_tokens_and_seconds_per_category_and_overall():
   records = [
       _rec("math", "ar", "", 100, 4.0, rounds=99, committed=99),
       _rec("math", "ar", "", 50, 1.0, rounds=49, committed=49),
-      _rec("math", "dloop", "d", 100, 2.0, rounds=40, committed=99, hist=(0, 30, 10)),
+      _rec("math", "dloop", "d", 100, 2.0, rounds=40, committed=99, hist=(0, 30, 10),
+           drafted=200, verified=150, plain=10),
       _rec("math", "dloop", "d", 50, 1.0, rounds=20, committed=49, hist=(0, 20, 0),
-           identical=False),
+           identical=False, drafted=80, verified=60, plain=0),
       _rec("chat", "ar", "", 60, 3.0, rounds=59, committed=59),
       _rec("chat", "dloop", "d", 60, 1.0, rounds=30, committed=59, hist=(0, 30, 0)),
   ]
@@ -42,6 +44,9 @@ def test_summary_sums_tokens_and_seconds_per_category_and_overall():
   assert math_dloop["acceptance_length"] == pytest.approx(148 / 60)
   assert math_dloop["stages_per_round"] == pytest.approx((30 + 20 + 2 * 10) / 60)
   assert math_dloop["identical_to_ar"] == pytest.approx(0.5)
+  assert math_dloop["verified_fraction"] == pytest.approx(210 / 280)
+  assert math_dloop["plain_round_fraction"] == pytest.approx(10 / 60)
+  assert rows[("math", "ar")]["verified_fraction"] is None
   overall = rows[("overall", "dloop")]
   assert overall["prompts"] == 3
   assert overall["speedup_vs_ar"] == pytest.approx((210 / 4.0) / (210 / 8.0))
@@ -65,7 +70,7 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   out = tmp_path / "bench"
   proc = subprocess.run(
       [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math,code",
-       "--prompts-per-category", "1", "--max-new-tokens", "12",
+       "--prompts-per-category", "1", "--max-new-tokens", "12", "--max-stages", "2",
        "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-inf,0",
        "--sweep-max-stages=2", "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -76,11 +81,15 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
     assert all(k in row for k in REQUIRED), row
   keys = {(r["category"], r["method"]) for r in rows}
   for category in ("math", "code", "overall"):
-    for method in ("ar", "sd", "dloop"):
+    for method in ("ar", "sd", "dloop", "sd/all", "dloop/all"):
       assert (category, method) in keys
+  overall = {r["method"]: r for r in rows if r["category"] == "overall"}
+  assert overall["dloop/all"]["verified_fraction"] == overall["sd/all"]["verified_fraction"] == 1
+  assert overall["dloop"]["verified_fraction"] <= 1
+  assert result["config"]["cost_table"]["costs"]["1"] > 0
   for row in rows:
     assert row["identical_to_ar"] == 1.0 or row["lossless_vs_ar"] == 1.0, row
-  assert len(result["records"]) == 2 * 3
+  assert len(result["records"]) == 2 * 5
   assert {(p["gate"], p["max_stages"]) for p in result["sweep"]} == {(-float("inf"), 2), (0.0, 2)}
   always = next(p for p in result["sweep"] if p["gate"] == -float("inf"))
   assert always["stages_per_round"] == 2.0  # g = -inf drafts S_max stages every round

@@ -54,8 +54,12 @@ def test_greedy_lossless(tiny, drafters, batch):
   runs = [("sd", 3, 1, -0.5)] + [("dloop", 2, 3, g) for g in (-math.inf, -1.0, math.inf)]
   for drafter in drafters.values():
     for mode, gamma, s_max, gate in runs:
+      # A flat cost table verifies every draft; the session's CPU table (None) lets the
+      # scheduler verify fewer, often none with these weak drafters.
+      flat = mode == "sd" or gate == -math.inf
       out = generate(tiny, prompts, max_new_tokens=max_new, mode=mode, drafter=drafter,
-                     block_size=gamma, gate=gate, max_stages=s_max)
+                     block_size=gamma, gate=gate, max_stages=s_max,
+                     costs={1: 1.0, 7: 1.0} if flat else None)
       for p, want, got in zip(prompts, ar.tokens, out.tokens):
         assert len(got) == max_new
         assert_same_or_near_tie(tiny, p, want, got)
@@ -64,7 +68,7 @@ def test_greedy_lossless(tiny, drafters, batch):
 def test_trained_drafter_accepts_more(tiny, drafters):
   prompts = _prompts(np.random.default_rng(5), 3)
   taus = {n: generate(tiny, prompts, max_new_tokens=17, mode="sd", drafter=d,
-                      block_size=3).total.acceptance_length for n, d in drafters.items()}
+                      block_size=3, schedule="off").total.acceptance_length for n, d in drafters.items()}
   assert taus["trained"] > taus["untrained"], taus
 
 

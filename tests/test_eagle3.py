@@ -66,8 +66,12 @@ def test_greedy_lossless(tiny, drafters, batch):
     if name.endswith("v48") and batch == 1:
       continue  # the reduced vocabulary is one more compile: once is enough
     for mode, gamma, s_max, gate in runs:
+      # A flat cost table verifies every draft; the session's CPU table (None) lets the
+      # scheduler verify fewer, often none with these weak drafters.
+      flat = mode == "sd" or gate == -math.inf
       out = generate(tiny, prompts, max_new_tokens=max_new, mode=mode, drafter=drafter,
-                     block_size=gamma, gate=gate, max_stages=s_max)
+                     block_size=gamma, gate=gate, max_stages=s_max,
+                     costs={1: 1.0, 7: 1.0} if flat else None)
       for p, want, got in zip(prompts, ar.tokens, out.tokens):
         assert len(got) == max_new
         assert_same_or_near_tie(tiny, p, want, got)
@@ -76,7 +80,7 @@ def test_greedy_lossless(tiny, drafters, batch):
 def test_trained_drafter_accepts_more(tiny, drafters):
   prompts = _prompts(np.random.default_rng(5), 3)
   taus = {n: generate(tiny, prompts, max_new_tokens=17, mode="sd", drafter=d,
-                      block_size=GAMMA).total.acceptance_length for n, d in drafters.items()}
+                      block_size=GAMMA, schedule="off").total.acceptance_length for n, d in drafters.items()}
   assert taus["trained_v0"] > taus["untrained_v0"], taus
 
 

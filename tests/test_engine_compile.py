@@ -1,4 +1,4 @@
-"""generate() is one compiled program: cached per static shape, gate traced, loops nested."""
+"""generate() is one compiled program: cached per static shape, gate and costs traced, loops nested."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 import drafter_fixtures
 from dloop_jax.decoding import engine, generate
+from dloop_jax.decoding import schedule as schedule_lib
 
 # The shapes of test_engine_gate.py's runs: in one session they share its compile.
 GAMMA, S_MAX, MAX_NEW = 2, 3, 25
@@ -33,6 +34,15 @@ def test_one_compile_per_shape(tiny, drafter):
   assert eager.compile_seconds == lazy.compile_seconds == 0.0
   assert all(r.stage_histogram == [0, 0, 0, r.rounds] for r in eager.rows)
   assert all(r.stage_histogram == [0, r.rounds, 0, 0] for r in lazy.rows)
+  # The cost table is traced too: flat, steep and file tables run the same program, and live.
+  flat = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW, gate=-math.inf,
+                  costs={1: 1.0, 7: 1.0}, **kw)
+  steep = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW, gate=-math.inf,
+                   costs={w: 10.0 ** w for w in range(1, 8)}, **kw)
+  assert engine.trace_count() == traces
+  assert flat.compile_seconds == steep.compile_seconds == 0.0
+  assert flat.total.verified == flat.total.drafted and flat.total.plain_rounds == 0
+  assert steep.total.verified == 0 and steep.total.plain_rounds == steep.total.rounds
   # max_new_tokens is static: a new program, compiled once.
   longer = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW + 2, gate=-0.5, **kw)
   assert engine.trace_count() == traces + 1 and longer.compile_seconds > 0
@@ -95,30 +105,45 @@ def _iota_lengths(jaxpr):
   return found
 
 
-def test_dloop_program_nests_the_stage_loop_in_the_round_loop(tiny, drafter):
-  """dloop: round while_loop > (stage while_loop, then a switch over S_max verify widths)."""
+@pytest.mark.parametrize("schedule,widths", [
+    ("off", (3, 5, 7)),  # one width per stage count, 1 + s * gamma
+    ("cost", (1, 2, 3, 5, 7)),  # and the narrow widths the scheduler may pick
+])
+def test_dloop_program_nests_the_stage_loop_in_the_round_loop(tiny, drafter, schedule, widths):
+  """dloop: round while_loop > (stage while_loop, then a switch over the verify widths)."""
+  assert schedule_lib.verify_widths(block_size=GAMMA, max_stages=S_MAX,
+                                    schedule=schedule) == widths
+  n = len(widths)
   jaxpr = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="dloop", drafter=drafter,
-                              block_size=GAMMA, gate=-0.5, max_stages=S_MAX).jaxpr
+                              block_size=GAMMA, gate=-0.5, max_stages=S_MAX,
+                              schedule=schedule).jaxpr
   (rounds,) = _whiles(jaxpr)
-  assert not _switches(jaxpr, S_MAX)
+  assert not _switches(jaxpr, n)
   (stages,) = _whiles(_body(rounds))
-  assert len(_switches(_body(rounds), S_MAX)) == 1
+  assert len(_switches(_body(rounds), n)) == 1
   # Verification is not inside the stage loop, and there is no third loop level.
-  assert not _switches(_body(stages), S_MAX) and not _whiles(_body(stages))
-  # Branch s verifies 1 + s * gamma tokens (their positions are an iota of that length).
-  (switch,) = _switches(_body(rounds), S_MAX)
-  widths = {1 + s * GAMMA for s in range(1, S_MAX + 1)}
-  for s, branch in enumerate(switch.params["branches"], start=1):
-    assert _iota_lengths(branch.jaxpr) & widths == {1 + s * GAMMA}
+  assert not _switches(_body(stages), n) and not _whiles(_body(stages))
+  # Branch i verifies widths[i] tokens (their positions are an iota of that length; the
+  # widest such iota: a branch also counts its widths[i] - 1 drafts).
+  (switch,) = _switches(_body(rounds), n)
+  for width, branch in zip(widths, switch.params["branches"]):
+    assert max(_iota_lengths(branch.jaxpr) & set(widths)) == width
 
 def test_ar_and_sd_programs_have_no_stage_loop(tiny, drafter):
-  """ar: one loop, no verify switch; sd: the round loop holds a one-stage loop and one width."""
+  """ar: one loop, no verify switch; sd: the round loop holds a one-stage loop and one width
+  (schedule="off"), or the widths 1, 2, 3 (= 1 + gamma) the scheduler picks from."""
   ar = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8).jaxpr
   (rounds,) = _whiles(ar)
   assert not _whiles(_body(rounds)) and not _control_flow(_body(rounds))
   sd = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="sd", drafter=drafter,
-                           block_size=GAMMA).jaxpr
+                           block_size=GAMMA, schedule="off").jaxpr
   (rounds,) = _whiles(sd)
   assert len(_whiles(_body(rounds))) == 1
   assert not [e for e in _control_flow(_body(rounds))
               if e.primitive.name == "cond" and len(e.params["branches"]) > 1]
+  sd = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="sd", drafter=drafter,
+                           block_size=GAMMA).jaxpr
+  (rounds,) = _whiles(sd)
+  assert len(_whiles(_body(rounds))) == 1
+  assert [len(e.params["branches"]) for e in _control_flow(_body(rounds))
+          if e.primitive.name == "cond" and len(e.params["branches"]) > 1] == [3]

@@ -1,7 +1,9 @@
 """DLoop's confidence gate, and the statistics that follow the stages it lets through.
 
 Engine runs share one shape (batch 2, gamma 2, S_max 3, 25 new tokens) so that
-they share one compiled program; the gate is a traced value.
+they share one compiled program; the gate is a traced value. They verify every
+draft (schedule="off"): the scheduler, which may verify fewer, has its own
+tests (test_engine_schedule.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def drafters(tiny):
 
 def _dloop(tiny, prompts, drafter, gate, **kw):
   return generate(tiny, prompts, max_new_tokens=MAX_NEW, mode="dloop", drafter=drafter,
-                  block_size=GAMMA, gate=gate, max_stages=S_MAX, **kw)
+                  block_size=GAMMA, gate=gate, max_stages=S_MAX, schedule="off", **kw)
 
 
 def _stages(row) -> int:
@@ -112,7 +114,7 @@ def test_gate_plus_inf_is_speculative_decoding(tiny, drafters, name):
   prompts = [P, Q]
   loop = _dloop(tiny, prompts, drafters[name], math.inf)
   sd = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode="sd", drafter=drafters[name],
-                block_size=GAMMA)
+                block_size=GAMMA, schedule="off")
   assert loop.tokens == sd.tokens
   for a, b in zip(loop.rows, sd.rows):
     assert a.stage_histogram == [0, a.rounds] + [0] * (S_MAX - 1)

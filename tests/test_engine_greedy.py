@@ -1,4 +1,10 @@
-"""Greedy losslessness of sd and dloop, as a property over many settings."""
+"""Greedy losslessness of sd and dloop, as a property over many settings.
+
+Every setting runs under the verification scheduler with cost tables that
+force each choice: the CPU table of the test session (conftest), a flat one
+(verify every draft), a steep one (verify none: plain decode steps) and a
+random one per seed (any width); tables are traced, so they share one program.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,17 @@ from dloop_jax.decoding import generate
 from lossless import assert_same_or_near_tie
 
 GATES = (-math.inf, -0.5, 0.0, math.inf)
+WIDEST = 1 + 4 * 3
+FLAT = {1: 1.0, WIDEST: 1.0}
+STEEP = {w: 10.0 ** w for w in range(1, WIDEST + 1)}
+# Settings that also run with schedule="off" (every draft verified: one more program each).
+OFF = ((1, 1, 1), (4, 3, 3))
+
+
+def _tables(rng):
+  """None (the session's CPU table), flat, steep, and a random (non-monotone) table."""
+  random = {w: float(c) for w, c in zip(range(1, WIDEST + 1), rng.uniform(1.0, 3.0, WIDEST))}
+  return [None, FLAT, STEEP, random]
 
 
 def _prompts(rng, batch):
@@ -37,18 +54,35 @@ def test_greedy_lossless(tiny, drafters, gamma, max_stages, batch):
   rng = np.random.default_rng(gamma * 100 + max_stages * 10 + batch)
   # A length that is not a multiple of the block so the limit falls inside one.
   max_new = 3 * gamma * max_stages + 2
+  plain = verified_all = 0
   for seed in range(2):
     prompts = _prompts(rng, batch)
     ar = generate(tiny, prompts, max_new_tokens=max_new)
+    tables = _tables(rng)
     for name, drafter in drafters.items():
-      runs = [("sd", None)] + [("dloop", g) for g in GATES]
-      for mode, g in runs:
+      tables = tables[1:] + tables[:1]  # every drafter meets every table with another gate
+      runs = ([("sd", None, "cost", t) for t in tables[:2]]
+              + [("dloop", g, "cost", t) for g, t in zip(GATES, tables)]
+              + [("dloop", -0.5, "cost", tables[2])])
+      if seed == 0 and (gamma, max_stages, batch) in OFF:
+        runs += [("sd", None, "off", None), ("dloop", -0.5, "off", None)]
+      for mode, g, schedule, costs in runs:
         out = generate(tiny, prompts, max_new_tokens=max_new, mode=mode, drafter=drafter,
-                       block_size=gamma, gate=-0.5 if g is None else g, max_stages=max_stages)
+                       block_size=gamma, gate=-0.5 if g is None else g, max_stages=max_stages,
+                       schedule=schedule, costs=costs)
         for p, want, got in zip(prompts, ar.tokens, out.tokens):
           assert len(got) == max_new
           assert_same_or_near_tie(tiny, p, want, got)
         assert out.total.new_tokens == ar.total.new_tokens, (name, mode, g)
+        t = out.total
+        assert t.accepted <= t.verified <= t.drafted
+        if schedule == "off" or costs is FLAT:
+          assert t.verified == t.drafted and t.plain_rounds == 0
+        if costs is STEEP:
+          assert t.verified == 0 and t.plain_rounds == t.rounds
+        plain += t.plain_rounds
+        verified_all += t.verified == t.drafted
+  assert plain > 0 and verified_all > 0
 
 
 def test_stop_tokens_inside_accepted_blocks(tiny, drafters):
@@ -71,7 +105,8 @@ def test_stop_tokens_inside_accepted_blocks(tiny, drafters):
 def test_oracle_accepts_everything(tiny, drafters):
   prompts = [[1, 2, 3]]
   out = generate(tiny, prompts, max_new_tokens=1 + 13 * 5, mode="dloop",
-                 drafter=drafters["oracle"], block_size=4, gate=-math.inf, max_stages=3)
+                 drafter=drafters["oracle"], block_size=4, gate=-math.inf, max_stages=3,
+                 schedule="off")
   row = out.rows[0]
   assert row.accepted == row.drafted
   assert row.acceptance_length == 13.0
@@ -81,12 +116,12 @@ def test_oracle_accepts_everything(tiny, drafters):
 def test_random_drafter_rarely_accepted(tiny, drafters):
   prompts = [[5, 6, 7], [9]]
   out = generate(tiny, prompts, max_new_tokens=40, mode="sd", drafter=drafters["random"],
-                 block_size=3)
+                 block_size=3, schedule="off")
   assert out.total.acceptance_length < 1.3
 
 
 def test_perturbed_partial_acceptance(tiny, drafters):
   prompts = [[5, 6, 7], [9, 1, 2, 3]]
   out = generate(tiny, prompts, max_new_tokens=40, mode="sd", drafter=drafters["perturbed"],
-                 block_size=3)
+                 block_size=3, schedule="off")
   assert 1.2 < out.total.acceptance_length < 3.5

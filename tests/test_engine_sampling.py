@@ -12,6 +12,13 @@ the threshold says that a correct sampler would have to be unlucky at the
 every draft, resampling from p instead of the residual, sampling the bonus
 from q) shift whole probability mass between outcomes: with the drafters below
 (q far from p) they give chi-square statistics in the thousands.
+
+Speculative runs go through the verification scheduler (which decides from
+confidences that do not depend on the draft being verified) with the session's
+CPU table, and with a table that forces it to verify exactly j drafts per round
+(0 = plain decode steps after drafting; a batch of N rows decides once per
+round, so a table is the way to force a prefix); one setting also runs with
+schedule="off".
 """
 
 from __future__ import annotations
@@ -39,30 +46,46 @@ def exact(tiny):
   return {name: exact_distribution(tiny, PROMPT, s) for name, s in SETTINGS.items()}
 
 
-@pytest.mark.parametrize("setting,mode,gamma,max_stages,gate,drafter_name", [
-    ("topk4_t1", "ar", None, None, None, None),
-    ("topp_t07", "ar", None, None, None, None),
-    ("topk4_t1", "sd", 2, 1, 0.0, "perturbed"),
-    ("topp_t07", "sd", 2, 1, 0.0, "random"),
-    ("topp_t07", "dloop", 1, 2, -math.inf, "perturbed"),
-    ("topk4_t1", "dloop", 1, 3, -1.0, "random"),
-    ("topk4_t1", "dloop", 2, 2, -0.5, "perturbed"),
+def _forcing(j):
+  """A cost table under which the best prefix is exactly j drafts: free up to width
+  1 + j, prohibitive past it."""
+  return {w: 1.0 if w <= 1 + j else 1e6 for w in range(1, 6)}
+
+
+@pytest.mark.parametrize("setting,mode,gamma,max_stages,gate,drafter_name,schedule,j", [
+    ("topk4_t1", "ar", None, None, None, None, None, None),
+    ("topp_t07", "ar", None, None, None, None, None, None),
+    ("topk4_t1", "sd", 2, 1, 0.0, "perturbed", "cost", 0),
+    ("topp_t07", "sd", 2, 1, 0.0, "random", "cost", 1),
+    ("topp_t07", "dloop", 1, 2, -math.inf, "perturbed", "cost", 1),
+    ("topk4_t1", "dloop", 1, 3, -1.0, "random", "cost", 2),
+    ("topk4_t1", "dloop", 2, 2, -0.5, "perturbed", "cost", 1),
+    ("topk4_t1", "dloop", 2, 2, -0.5, "perturbed", "off", None),
 ])
 def test_first_three_tokens_match_target(tiny, exact, setting, mode, gamma, max_stages, gate,
-                                         drafter_name):
+                                         drafter_name, schedule, j):
   sampling = SETTINGS[setting]
-  kwargs = {}
+  runs = [{}]
   if mode != "ar":
     make = {"perturbed": lambda: drafter_fixtures.perturbed(tiny, noise_scale=2.0, seed=5),
             "random": lambda: drafter_fixtures.random_drafter(tiny, seed=6)}[drafter_name]
-    kwargs = dict(drafter=make(), block_size=gamma, max_stages=max_stages, gate=gate)
-  out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode=mode, sampling=sampling,
-                 seed=11, **kwargs)
-  samples = [tuple(t) for t in out.tokens]
-  pvalue, stat = chi_square_pvalue(samples, exact[setting])
-  assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e}"
-  if mode != "ar":
-    assert out.total.drafted > 0
+    kwargs = dict(drafter=make(), block_size=gamma, max_stages=max_stages, gate=gate,
+                  schedule=schedule)
+    runs = [kwargs] if schedule == "off" else [
+        dict(kwargs, costs=costs) for costs in (None, _forcing(j))]
+  for kwargs in runs:
+    out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode=mode, sampling=sampling,
+                   seed=11, **kwargs)
+    samples = [tuple(t) for t in out.tokens]
+    pvalue, stat = chi_square_pvalue(samples, exact[setting])
+    assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e} ({kwargs.get('costs')})"
+    if mode != "ar":
+      t = out.total
+      assert t.drafted > 0
+      if kwargs.get("costs") is not None:  # the forced prefix: j drafts (fewer if fewer drafted)
+        want = sum(c * min(stages * gamma, j) for stages, c in enumerate(t.stage_histogram))
+        assert t.verified == want < t.drafted
+        assert t.plain_rounds == (t.rounds if j == 0 else 0)
 
 
 def test_chi_square_detects_a_modest_shift(tiny, exact):

@@ -13,15 +13,21 @@ minimum over the batch):
 
     committed: x_0 .. x_n       (x_n = `pending`, not yet read by the target)
     drafts:    d_1 .. d_{s_b * gamma}    from s_b gated stages
-    verify:    target([x_n, d_1, ..., d_m]) with m = max_b s_b * gamma, the
-               width picked by `lax.switch` among 1 + s * gamma, s = 1..S_max
-    accept:    k_b drafts, plus the bonus token; roll the caches back to
+    schedule:  verify the first v_b of them (`schedule`: the prefix whose
+               expected committed tokens per unit of target time is best, from
+               the drafter's confidences and the per-width cost table;
+               schedule="off" verifies all, v_b = s_b * gamma)
+    verify:    target([x_n, d_1, ..., d_m]) of width 1 + m, m >= max_b v_b, a
+               `lax.switch` branch among the compiled widths
+               (`schedule.verify_widths`)
+    accept:    k_b <= v_b drafts, plus the bonus token; roll the caches back to
                n + 1 + k_b by setting lengths.
 
 A Python-side cache keyed by every static choice (model structure, shapes,
-mode, gamma, S_max, sampling, stop tokens) holds the compiled executables, so a
-second call with the same shapes runs without tracing or compiling. The gate g
-is a traced scalar: sweeping it does not recompile.
+mode, gamma, S_max, schedule, sampling, stop tokens) holds the compiled
+executables, so a second call with the same shapes runs without tracing or
+compiling. The gate g and the cost table are traced arrays: sweeping them does
+not recompile.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
+from dloop_jax.decoding import costs as costs_lib
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
 from dloop_jax.errors import ConfigError, PromptTooLongError
@@ -62,6 +70,7 @@ class _Static:
   mode: str
   block_size: int
   max_stages: int
+  schedule: str
   sampling: sampling_lib.SamplingConfig
   max_new_tokens: int
   stop_tokens: tuple[int, ...]
@@ -78,12 +87,22 @@ class _Static:
   def verify_width(self) -> int:
     return 1 + self.draft_width
 
+  @property
+  def widths(self) -> tuple[int, ...]:
+    """The compiled verification widths."""
+    if self.mode == "ar":
+      return (1,)
+    return schedule_lib.verify_widths(block_size=self.block_size, max_stages=self.max_stages,
+                                      schedule=self.schedule)
+
 
 @struct.dataclass
 class _Stats:
   rounds: jax.Array  # [B] target forwards after prefill
   committed: jax.Array  # [B] tokens committed by those rounds
   drafted: jax.Array  # [B]
+  verified: jax.Array  # [B] drafts verified (<= drafted)
+  plain_rounds: jax.Array  # [B] rounds that verified no draft
   accepted: jax.Array  # [B]
   drafter_forwards: jax.Array  # [B]
   target_tokens: jax.Array  # [B] tokens read by target forwards, prefill excluded
@@ -143,8 +162,84 @@ def _pad_axis1(x: jax.Array, width: int) -> jax.Array:
   return jnp.pad(x, pad)
 
 
+@struct.dataclass
+class _Verified:
+  """One verification forward and its acceptance (per row).
+
+  Attributes:
+    cache: the target cache with the forward's keys / values written after the
+      committed slots (lengths still to be set by the caller).
+    num_accepted: [B] drafts accepted, k.
+    new_tokens: [B, W] d_1..d_k, then the bonus token; padding after.
+    tokens: [B, W] what the target read: pending token, verified drafts, pad.
+    taps: [B, W, n_taps, D] target taps at those positions.
+    width: scalar, the width of the forward that ran.
+  """
+
+  cache: kv_lib.KVCache
+  num_accepted: jax.Array
+  new_tokens: jax.Array
+  tokens: jax.Array
+  taps: jax.Array
+  width: jax.Array
+
+
+def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
+            pending: jax.Array, drafts: jax.Array, probs: jax.Array | None,
+            num_verified: jax.Array, branch: jax.Array, widths: tuple[int, ...],
+            sampling: sampling_lib.SamplingConfig, key: jax.Array) -> _Verified:
+  """Verifies the first `num_verified[b]` drafts of each row in one target forward.
+
+  The forward's width is `widths[branch]` (a `lax.switch` over the compiled
+  widths); outputs are padded to W = 1 + drafts.shape[1].
+
+  Args:
+    pending: [B] last committed token (position `cache.lengths`).
+    drafts: [B, M] drafted tokens; probs [B, M, V] their draft distributions
+      (sampling only).
+    num_verified: [B] drafts to verify, at most `widths[branch] - 1`.
+  """
+  pad_to = 1 + drafts.shape[1]
+  starts = cache.lengths
+  # With several widths, each branch only reads the cache (a branch that wrote
+  # it would get a whole copy); the new keys / values come out padded to the
+  # widest branch and are written after the switch.
+  read_only = len(widths) > 1
+
+  def branch_fn(width: int):
+    m = width - 1
+
+    def run(cache):
+      tokens = jnp.concatenate([pending[:, None], drafts[:, :m]], axis=1)
+      positions = starts[:, None] + jnp.arange(width)[None, :]
+      o = target(tokens, positions=positions, cache=cache, taps=taps, write_cache=not read_only)
+      if sampling.greedy:
+        acc = verify_lib.accept_greedy(logits=o.logits, drafts=drafts[:, :m],
+                                       num_drafts=num_verified)
+      else:
+        acc = verify_lib.accept_sampling(
+            key=key, logits=o.logits, drafts=drafts[:, :m], draft_probs=probs[:, :m],
+            num_drafts=num_verified, config=sampling)
+      written = jax.tree.map(lambda x: _pad_axis1(x, pad_to), o.new_kv) if read_only else o.cache
+      return (written, acc.num_accepted, _pad_axis1(acc.new_tokens, pad_to),
+              _pad_axis1(o.taps, pad_to), _pad_axis1(tokens, pad_to),
+              jnp.asarray(width, jnp.int32))
+
+    return run
+
+  if read_only:
+    written, k, new_tokens, taps_out, tokens, width = jax.lax.switch(
+        branch, [branch_fn(w) for w in widths], cache)
+    # Slots past the accepted tokens hold padding; the caller's lengths mask them.
+    cache = cache.append(written)
+  else:
+    cache, k, new_tokens, taps_out, tokens, width = branch_fn(widths[0])(cache)
+  return _Verified(cache=cache, num_accepted=k, new_tokens=new_tokens, tokens=tokens,
+                   taps=taps_out, width=width)
+
+
 def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt_lengths,
-            key, gate):
+            key, gate, costs):
   """The whole generation as one traced program."""
   global _TRACE_COUNT
   _TRACE_COUNT += 1
@@ -157,6 +252,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   stop = jnp.asarray(s.stop_tokens, jnp.int32)
   gamma = s.block_size
   w_max = s.verify_width
+  widths = s.widths
 
   # ------------------------------------------------------------------ prefill
   cache = target.init_cache(batch_size=b, capacity=cap)
@@ -189,7 +285,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         starts=jnp.zeros((b,), jnp.int32), counts=prompt_lengths)
 
   zeros = jnp.zeros((b,), jnp.int32)
-  stats = _Stats(rounds=zeros, committed=zeros, drafted=zeros, accepted=zeros,
+  stats = _Stats(rounds=zeros, committed=zeros, drafted=zeros, verified=zeros,
+                 plain_rounds=zeros, accepted=zeros,
                  drafter_forwards=zeros + (1 if drafter is not None else 0),
                  target_tokens=zeros,
                  stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32))
@@ -228,19 +325,24 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
 
     # ------------------------------------------------------- gated drafting
     drafts0 = jnp.zeros((b, s.draft_width), jnp.int32)
+    conf0 = jnp.zeros((b, s.draft_width), jnp.float32)
     probs0 = (None if s.sampling.greedy else
               jnp.zeros((b, s.draft_width, target.config.vocab_size), jnp.float32))
 
     def stage_cond(c):
-      stage, _, _, _, _, going = c
+      stage, _, _, _, _, _, going = c
       return (stage < s.max_stages) & jnp.any(going)
 
     def stage_body(c):
-      stage, dstate, drafts, probs, num_stages, going = c
+      stage, dstate, drafts, conf, probs, num_stages, going = c
       dstate, drafted = drafter.draft_stage(
           dstate, key=jax.random.fold_in(draft_key, stage), block_size=gamma, sampling=s.sampling)
       drafts = jax.lax.dynamic_update_slice(drafts, drafted.tokens.astype(jnp.int32),
                                             (0, stage * gamma))
+      if s.schedule == "cost":
+        c_k = schedule_lib.draft_confidence(logprobs=drafted.logprobs, probs=drafted.probs,
+                                            config=s.sampling)
+        conf = jax.lax.dynamic_update_slice(conf, c_k, (0, stage * gamma))
       if probs is not None:
         probs = jax.lax.dynamic_update_slice(probs, drafted.probs.astype(jnp.float32),
                                              (0, stage * gamma, 0))
@@ -251,73 +353,51 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
             confidence, gate=gate, stages_done=stage + 1, max_stages=s.max_stages)
       else:
         going = jnp.zeros_like(going)
-      return stage + 1, dstate, drafts, probs, num_stages, going
+      return stage + 1, dstate, drafts, conf, probs, num_stages, going
 
-    _, dstate, drafts, probs, num_stages, _ = jax.lax.while_loop(
+    _, dstate, drafts, conf, probs, num_stages, _ = jax.lax.while_loop(
         stage_cond, stage_body,
-        (jnp.zeros((), jnp.int32), lp.drafter_state, drafts0, probs0, zeros, active))
-
-    # ------------------------------------------- one verification, width by switch
+        (jnp.zeros((), jnp.int32), lp.drafter_state, drafts0, conf0, probs0, zeros, active))
     num_drafts = num_stages * gamma
 
-    # With several widths, each branch only reads the cache (a branch that
-    # wrote it would get a whole copy); the new keys / values come out padded
-    # to the widest branch and are written after the switch.
-    read_only = s.max_stages > 1
-
-    def verify_branch(stages: int):
-      m = stages * gamma
-
-      def branch(cache):
-        tokens = jnp.concatenate([lp.pending[:, None], drafts[:, :m]], axis=1)
-        positions = starts[:, None] + jnp.arange(m + 1)[None, :]
-        o = target(tokens, positions=positions, cache=cache, taps=drafter.taps,
-                   write_cache=not read_only)
-        if s.sampling.greedy:
-          acc = verify_lib.accept_greedy(logits=o.logits, drafts=drafts[:, :m], num_drafts=num_drafts)
-        else:
-          acc = verify_lib.accept_sampling(
-              key=accept_key, logits=o.logits, drafts=drafts[:, :m], draft_probs=probs[:, :m],
-              num_drafts=num_drafts, config=s.sampling)
-        written = jax.tree.map(lambda x: _pad_axis1(x, w_max), o.new_kv) if read_only else o.cache
-        return (written, acc.num_accepted, _pad_axis1(acc.new_tokens, w_max),
-                _pad_axis1(o.taps, w_max), _pad_axis1(tokens, w_max),
-                jnp.asarray(m + 1, jnp.int32))
-
-      return branch
-
-    widest = jnp.max(jnp.where(active, num_stages, 1))
-    written, k, new_tokens, taps_out, verify_tokens, width = jax.lax.switch(
-        widest - 1, [verify_branch(i) for i in range(1, s.max_stages + 1)], lp.cache)
-    # Slots past the accepted tokens hold padding; the lengths below mask them.
-    cache = lp.cache.append(written) if read_only else written
+    # ------------------------------------------- what to verify, then verify it
+    if s.schedule == "cost":
+      choice = schedule_lib.choose(confidence=conf, num_drafts=num_drafts, active=active,
+                                   widths=widths, costs=costs, causal=not s.sampling.greedy)
+    else:
+      choice = schedule_lib.verify_all(num_drafts=num_drafts, active=active, widths=widths)
+    v = _verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
+                drafts=drafts, probs=probs, num_verified=choice.num_verified,
+                branch=choice.branch, widths=widths, sampling=s.sampling, key=accept_key)
 
     # --------------------------------------------------------------- commit
     counts, finished = _commit_counts(
-        new_tokens=new_tokens, num_valid=jnp.where(active, k + 1, 0), num_new=lp.num_new,
-        max_new_tokens=s.max_new_tokens, stop=stop)
+        new_tokens=v.new_tokens, num_valid=jnp.where(active, v.num_accepted + 1, 0),
+        num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
     committed = counts > 0
-    last = jnp.take_along_axis(new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
-    dstate = drafter.commit(dstate, tokens=verify_tokens, features=taps_out,
-                            next_tokens=new_tokens, starts=starts, counts=counts)
+    last = jnp.take_along_axis(v.new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    dstate = drafter.commit(dstate, tokens=v.tokens, features=v.taps,
+                            next_tokens=v.new_tokens, starts=starts, counts=counts)
     st = lp.stats
     act = active.astype(jnp.int32)
     st = st.replace(
         rounds=st.rounds + act,
         committed=st.committed + counts,
         drafted=st.drafted + act * num_drafts,
-        accepted=st.accepted + jnp.minimum(k, counts),
+        verified=st.verified + act * choice.num_verified,
+        plain_rounds=st.plain_rounds + act * (choice.num_verified == 0),
+        accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
         # Drafting, plus one forward for the commit (see `drafters.base`).
         drafter_forwards=st.drafter_forwards + act * (
             drafter.drafting_forwards(gamma, num_stages) + 1),
-        target_tokens=st.target_tokens + act * width,
+        target_tokens=st.target_tokens + act * v.width,
         stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
             num_stages, s.max_stages + 1, dtype=jnp.int32))
     return lp.replace(
-        cache=cache.with_lengths(jnp.where(committed, starts + counts, starts)),
+        cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),
         drafter_state=dstate,
         pending=jnp.where(committed, last, lp.pending),
-        out=kv_lib.write_rows(lp.out, new_tokens, lp.num_new),
+        out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
         num_new=lp.num_new + counts, done=lp.done | finished, stats=st, round=lp.round + 1)
 
   loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else speculative_round, loop)
@@ -355,9 +435,12 @@ def _is_int(value) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target) -> None:
+def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
+              schedule) -> None:
   if mode not in MODES:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+  if schedule not in schedule_lib.SCHEDULES:
+    raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}.")
   if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
   if mode == "ar":
@@ -392,6 +475,8 @@ def _prepare(
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
+    schedule: str = "cost",
+    costs: Any = None,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
@@ -399,7 +484,8 @@ def _prepare(
   if mode == "sd":
     max_stages = 1
   _validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
-            max_stages=max_stages, max_new_tokens=max_new_tokens, target=target)
+            max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
+            schedule=schedule)
   if not isinstance(sampling, sampling_lib.SamplingConfig):
     raise ConfigError("sampling must be a SamplingConfig.")
   if capture_taps and mode != "ar":
@@ -429,7 +515,7 @@ def _prepare(
                                    else (None, None))
   static = _Static(
       target_graph=target_graph, drafter_graph=drafter_graph, mode=mode, block_size=gamma,
-      max_stages=s_max, sampling=sampling, max_new_tokens=int(max_new_tokens),
+      max_stages=s_max, schedule=schedule if not is_ar else "off", sampling=sampling, max_new_tokens=int(max_new_tokens),
       stop_tokens=tuple(sorted(set(int(t) for t in stop_tokens))),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
       prompt_width=tp, capacity=capacity)
@@ -439,8 +525,12 @@ def _prepare(
     padded[i, :len(p)] = p
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   key = jax.random.key(seed) if isinstance(seed, int) else seed
+  if static.schedule == "cost":
+    cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths)
+  else:
+    cost = np.ones((len(static.widths),), np.float32)  # unused
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
-          jnp.asarray(gate, jnp.float32))
+          jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32))
   return static, args
 
 
@@ -464,6 +554,8 @@ def generate(
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
+    schedule: str = "cost",
+    costs: Any = None,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -481,6 +573,16 @@ def generate(
     stop_tokens: token ids that end a row (committed, then the row stops).
     capture_taps: ("ar" only) also return the target's tapped hidden states at
       every position read during generation.
+    schedule: ("sd" / "dloop") "cost": verify only the prefix of the drafts
+      whose expected committed tokens per unit of target time is best (see
+      `decoding.schedule`; possibly none: a plain decode step); "off": verify
+      every draft.
+    costs: with schedule="cost", the target forward's cost per width: a
+      `costs.CostTable`, a {width: cost} mapping or a JSON file path. None: the
+      file named by $DLOOP_COSTS if set, else this target's table on this
+      machine at this batch size, measured the first time and cached on disk
+      (`decoding.costs`). The table is a traced value: changing it does not
+      recompile.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -488,7 +590,7 @@ def generate(
   static, args = _prepare(
       target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
-      stop_tokens=stop_tokens, capture_taps=capture_taps)
+      stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages
@@ -511,7 +613,8 @@ def generate(
     n = int(num_new[i])
     rows.append(RowStats(
         new_tokens=n, rounds=int(stats.rounds[i]), committed_in_rounds=int(stats.committed[i]),
-        drafted=int(stats.drafted[i]), accepted=int(stats.accepted[i]),
+        drafted=int(stats.drafted[i]), verified=int(stats.verified[i]),
+        plain_rounds=int(stats.plain_rounds[i]), accepted=int(stats.accepted[i]),
         drafter_forwards=int(stats.drafter_forwards[i]) if not is_ar else 0,
         target_tokens=int(stats.target_tokens[i]),
         stage_histogram=[int(x) for x in stats.stage_hist[i]] if not is_ar else []))
@@ -524,4 +627,5 @@ def generate(
       tokens=[out[i, :int(num_new[i])].tolist() for i in range(len(prompts))],
       rows=rows, seconds=seconds, compile_seconds=compile_seconds, mode=mode,
       block_size=gamma or None, gate=float(gate) if mode == "dloop" else None,
-      max_stages=s_max if not is_ar else None, features=feats)
+      max_stages=s_max if not is_ar else None,
+      schedule=static.schedule if not is_ar else None, features=feats)

@@ -16,6 +16,9 @@ class RowStats:
     rounds: target forwards after the prefill (= verifications in sd / dloop).
     committed_in_rounds: tokens committed by those rounds (new_tokens - 1).
     drafted: draft tokens proposed.
+    verified: drafts the target verified (all drafted ones unless the
+      scheduler verified a shorter prefix).
+    plain_rounds: rounds that verified no draft (a plain decode step).
     accepted: drafts accepted and committed.
     drafter_forwards: drafter forward passes (commits included).
     target_tokens: tokens read by target forwards after the prefill.
@@ -26,6 +29,8 @@ class RowStats:
   rounds: int
   committed_in_rounds: int
   drafted: int = 0
+  verified: int = 0
+  plain_rounds: int = 0
   accepted: int = 0
   drafter_forwards: int = 0
   target_tokens: int = 0
@@ -62,6 +67,7 @@ class GenerationOutput:
     rows: per-row statistics.
     seconds: wall time of the compiled call (compilation excluded).
     compile_seconds: time spent compiling in this call (0 when cached).
+    schedule: "cost" or "off" (sd / dloop; None for ar).
     features: with `capture_taps`, per row [positions, n_taps, D] target taps
       at every position the target read (prompt + all new tokens but the last).
   """
@@ -74,6 +80,7 @@ class GenerationOutput:
   block_size: int | None = None
   gate: float | None = None
   max_stages: int | None = None
+  schedule: str | None = None
   features: list[np.ndarray] | None = None
 
   @property
@@ -87,6 +94,8 @@ class GenerationOutput:
         rounds=sum(r.rounds for r in self.rows),
         committed_in_rounds=sum(r.committed_in_rounds for r in self.rows),
         drafted=sum(r.drafted for r in self.rows),
+        verified=sum(r.verified for r in self.rows),
+        plain_rounds=sum(r.plain_rounds for r in self.rows),
         accepted=sum(r.accepted for r in self.rows),
         drafter_forwards=sum(r.drafter_forwards for r in self.rows),
         target_tokens=sum(r.target_tokens for r in self.rows),

@@ -8,7 +8,9 @@
 Methods, measured in one run on the same prompts, interleaved per prompt (the
 order rotates from prompt to prompt) after a warm-up: our `ar`; for every
 drafter our `sd` and `dloop` with the same gamma (the drafter's trained block
-size unless --block-size); HF transformers (PyTorch) greedy `generate()` and
+size unless --block-size), verifying the prefix of the drafts that pays (the
+scheduler, `sd` / `dloop`) and every draft (`sd/all` / `dloop/all`), see
+--schedules; HF transformers (PyTorch) greedy `generate()` and
 its prompt-lookup decoding on the same weights and threads (--no-peers leaves
 them out). Greedy by default; every output is compared with our `ar` output
 (identical, or differing only after a near-tie of the target, DESIGN.md §4).
@@ -63,6 +65,12 @@ def _parse(argv):
   p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
   p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
                  help="storage of our target's weight matrices")
+  p.add_argument("--schedules", default="cost,off",
+                 help="verification schedules of sd / dloop: cost (the prefix that pays; methods"
+                      " sd, dloop) and off (every draft; sd/all, dloop/all)")
+  p.add_argument("--costs", default=None,
+                 help="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
+                      " target's cached table, measured on first use)")
   p.add_argument("--no-peers", action="store_true", help="leave out the transformers peers")
   p.add_argument("--pld-tokens", type=int, default=10,
                  help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
@@ -96,13 +104,14 @@ def _machine(threads: int) -> dict:
 
 def _record(prompt, method, run, *, prompt_len: int) -> dict:
   return dict(category=prompt.category, set=prompt.set_name, prompt_id=prompt.id,
-              prompt_tokens=prompt_len, method=method.method,
+              prompt_tokens=prompt_len, method=method.method_name,
               drafter=getattr(method, "drafter_label", "") or "",
               new_tokens=len(run.tokens), seconds=run.seconds,
               compile_seconds=run.compile_seconds, rounds=run.rounds,
               committed_in_rounds=run.committed_in_rounds,
               stage_histogram=run.stage_histogram, target_forwards=run.target_forwards,
               drafter_forwards=run.drafter_forwards, target_tokens=run.target_tokens,
+              drafted=run.drafted, verified=run.verified, plain_rounds=run.plain_rounds,
               tokens=run.tokens)
 
 
@@ -174,14 +183,28 @@ def main(argv=None) -> int:
     _log(f"[bench] {len(prompts)} prompts ({counts}); {skipped} skipped as longer than"
          f" {args.max_prompt_tokens} tokens")
 
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    if not schedules or any(x not in ("cost", "off") for x in schedules):
+      raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
+    costs = None
+    if "cost" in schedules and drafters:
+      from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
+      t0 = time.perf_counter()
+      table = (costs_lib.as_table(args.costs) if args.costs else
+               costs_lib.load(os.environ["DLOOP_COSTS"]) if os.environ.get("DLOOP_COSTS") else
+               costs_lib.for_target(target.model, batch_size=1))
+      costs = table
+      _log(f"[bench] cost table ({time.perf_counter() - t0:.1f}s):\n{table.format()}")
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
                   seed=args.seed)
     methods = [methods_lib.Ours(method="ar", target=target.model, **common)]
     for label, d in drafters:
       for mode in ("sd", "dloop"):
-        methods.append(methods_lib.Ours(
-            method=mode, target=target.model, drafter=d, drafter_label=label,
-            block_size=args.block_size, gate=args.gate, max_stages=args.max_stages, **common))
+        for schedule in schedules:
+          methods.append(methods_lib.Ours(
+              method=mode, target=target.model, drafter=d, drafter_label=label,
+              block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
+              schedule=schedule, costs=costs, **common))
     threads = os.cpu_count() or 1
     if not args.no_peers:
       hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
@@ -217,13 +240,15 @@ def main(argv=None) -> int:
 
     sweep = []
     if args.sweep and drafters:
-      sweep = _sweep(args, prompts, records, drafters, target, common, methods_lib)
+      sweep = _sweep(args, prompts, records, drafters, target,
+                     dict(common, schedule=schedules[0], costs=costs), methods_lib)
 
     rows = report.summarize(records)
     os.makedirs(args.out, exist_ok=True)
     config = {k: v for k, v in vars(args).items()}
     config.update(prompts_per_category=per_category,
-                  block_sizes={label: args.block_size or d.block_size for label, d in drafters})
+                  block_sizes={label: args.block_size or d.block_size for label, d in drafters},
+                  cost_table=costs.to_json() if costs is not None else None)
     result = dict(config=config, machine=_machine(threads), rows=rows, records=records,
                   sweep=sweep, first_call_compile_seconds=first_compile)
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -242,6 +267,13 @@ def main(argv=None) -> int:
         ratio = overall[("ar", "")]["tokens_per_second"] / overall[(peer, "")]["tokens_per_second"]
         print(f"Our ar vs transformers {peer}: {ratio:.2f}x tokens/s")
     for label, _ in drafters:
+      for mode in ("sd", "dloop"):
+        on, off = overall.get((mode, label)), overall.get((f"{mode}/all", label))
+        if on and off:
+          print(f"{label}: {mode} verifying the prefix that pays"
+                f" {on['tokens_per_second'] / off['tokens_per_second']:.2f}x verifying every"
+                f" draft ({on['verified_fraction']:.0%} of drafts verified,"
+                f" {on['plain_round_fraction']:.0%} plain rounds)")
       sd, dl = overall.get(("sd", label)), overall.get(("dloop", label))
       if sd and dl:
         tps = dl["tokens_per_second"]

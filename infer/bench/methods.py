@@ -1,7 +1,9 @@
 """The methods a benchmark compares, behind one call: `method.run(prompt_ids) -> Run`.
 
     ours   ar                       dloop_jax generate(mode="ar")
-           sd / dloop (per drafter) dloop_jax generate(mode=..., drafter=...)
+           sd / dloop (per drafter) dloop_jax generate(mode=..., drafter=...), verifying the
+                                    prefix of the drafts that pays (schedule="cost")
+           sd/all, dloop/all        the same, verifying every draft (schedule="off")
     peers  hf                       transformers (PyTorch) greedy generate()
            hf_pld                   transformers prompt-lookup decoding
                                     (generate(prompt_lookup_num_tokens=...))
@@ -36,6 +38,9 @@ class Run:
   target_forwards: int = 0
   drafter_forwards: int = 0
   target_tokens: int = 0
+  drafted: int = 0
+  verified: int = 0
+  plain_rounds: int = 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,10 +58,18 @@ class Ours:
   sampling: SamplingConfig = SamplingConfig()
   stop_tokens: Sequence[int] = ()
   seed: int = 0
+  schedule: str = "cost"
+  costs: Any = None  # the scheduler's cost table (None: generate()'s default)
+
+  @property
+  def method_name(self) -> str:
+    """The method as reported: the mode, with "/all" when every draft is verified."""
+    return f"{self.method}/all" if self.method != "ar" and self.schedule == "off" else self.method
 
   @property
   def label(self) -> str:
-    return self.method if not self.drafter_label else f"{self.method}[{self.drafter_label}]"
+    name = self.method_name
+    return name if not self.drafter_label else f"{name}[{self.drafter_label}]"
 
   def run(self, prompt_ids: Sequence[int], *, gate: float | None = None,
           max_stages: int | None = None) -> Run:
@@ -65,12 +78,14 @@ class Ours:
         drafter=self.drafter if self.method != "ar" else None, block_size=self.block_size,
         gate=self.gate if gate is None else gate,
         max_stages=self.max_stages if max_stages is None else max_stages,
-        sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens)
+        sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
+        schedule=self.schedule, costs=self.costs)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,
                stage_histogram=list(row.stage_histogram), target_forwards=row.target_forwards,
-               drafter_forwards=row.drafter_forwards, target_tokens=row.target_tokens)
+               drafter_forwards=row.drafter_forwards, target_tokens=row.target_tokens,
+               drafted=row.drafted, verified=row.verified, plain_rounds=row.plain_rounds)
 
 
 def load_hf_reference(gguf_path: str, *, threads: int | None = None):
@@ -104,7 +119,7 @@ class HFPeer:
   def method(self) -> str:
     return "hf_pld" if self.prompt_lookup else "hf"
 
-  label = method
+  label = method_name = method
 
   def run(self, prompt_ids: Sequence[int], **unused) -> Run:
     import torch  # pylint: disable=g-import-not-at-top

@@ -28,6 +28,7 @@ def _row(category: str, method: str, drafter: str, recs: Sequence[dict],
   verifications = sum(hist.values())
   tps = tokens / seconds if seconds > 0 else 0.0
   checked = [r for r in recs if r.get("lossless_vs_ar") is not None]
+  drafted = sum(r.get("drafted", 0) for r in recs)
   return dict(
       category=category, method=method, drafter=drafter, prompts=len(recs),
       new_tokens=tokens, seconds=seconds, tokens_per_second=tps,
@@ -36,6 +37,10 @@ def _row(category: str, method: str, drafter: str, recs: Sequence[dict],
       stages_per_round=(sum(s * c for s, c in hist.items()) / verifications
                         if verifications else None),
       target_forwards=sum(r["target_forwards"] for r in recs) or None,
+      # What the scheduler did: drafts verified / drafted, rounds that verified none.
+      verified_fraction=(sum(r.get("verified", 0) for r in recs) / drafted) if drafted else None,
+      plain_round_fraction=(sum(r.get("plain_rounds", 0) for r in recs) / rounds
+                            if drafted and rounds else None),
       drafter_forwards=sum(r["drafter_forwards"] for r in recs) or None,
       compile_seconds=sum(r.get("compile_seconds", 0.0) for r in recs),
       identical_to_ar=(sum(bool(r["identical_to_ar"]) for r in checked) / len(checked)
@@ -56,7 +61,8 @@ def summarize(records: Iterable[dict]) -> list[dict]:
     if method == "ar":
       s = sum(r["seconds"] for r in recs)
       ar_tps[category] = sum(r["new_tokens"] for r in recs) / s if s > 0 else None
-  order = {m: i for i, m in enumerate(("ar", "sd", "dloop", "hf", "hf_pld"))}
+  order = {m: i for i, m in enumerate(("ar", "sd", "sd/all", "dloop", "dloop/all", "hf",
+                                        "hf_pld"))}
   keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], order.get(k[1], 9), k[2]))
   return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c)) for c, m, d in keys]
 
@@ -70,14 +76,17 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
 def markdown(rows: Sequence[dict]) -> str:
   """The results table (one line per category, method and drafter)."""
   head = ("| category | method | drafter | prompts | tokens/s | speedup vs ar | τ |"
-          " stages/round | identical to ar | lossless (near-tie rule) |")
-  lines = [head, "|" + "---|" * 10]
+          " stages/round | identical to ar | lossless (near-tie rule) | drafts verified |"
+          " plain rounds |")
+  lines = [head, "|" + "---|" * 12]
   for r in rows:
     lines.append(
         f"| {r['category']} | {r['method']} | {r['drafter'] or '–'} | {r['prompts']} |"
         f" {_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} |"
         f" {_fmt(r['acceptance_length'])} | {_fmt(r['stages_per_round'])} |"
-        f" {_fmt(r['identical_to_ar'], '.0%')} | {_fmt(r['lossless_vs_ar'], '.0%')} |")
+        f" {_fmt(r['identical_to_ar'], '.0%')} | {_fmt(r['lossless_vs_ar'], '.0%')} |"
+        f" {_fmt(r.get('verified_fraction'), '.0%')} |"
+        f" {_fmt(r.get('plain_round_fraction'), '.0%')} |")
   return "\n".join(lines)
 
 

@@ -1,0 +1,296 @@
+"""Per-width cost of a target forward on this machine: what the scheduler trades against.
+
+A `CostTable` maps a forward's width (tokens per row) to its time in
+milliseconds. On an accelerator it is almost flat; on a CPU it is steep (a
+5-token forward ~1.7x a 1-token one), and the same scheduler must do the right
+thing on both, so the table is measured, not assumed:
+
+  * `calibrate`: times jitted target forwards of widths 1, 2, 3, 5, 9, 13, 17
+    (median of a few interleaved repeats) against a half-full cache of a
+    realistic capacity (512 slots, or the context window if shorter), reading
+    the cache as the verification branches do.
+  * `for_target`: the table of a target at a batch size, calibrated the first
+    time and cached on disk as JSON under `$DLOOP_CACHE_DIR/costs/` (default
+    `~/.cache/dloop_jax/costs/`), keyed by the target's config, weight dtypes,
+    jax version, backend / device kind (processor and core count on a CPU) and
+    batch size. A table that lacks a width a program needs is extended.
+  * overrides: `generate(costs=...)` takes a `CostTable`, a mapping
+    {width: cost}, or the path of a JSON file (`save` writes one; the file
+    needs a "costs" object {"width": cost}); with `costs=None` the file named
+    by `$DLOOP_COSTS` is used if set, else `for_target`.
+
+Widths between measured ones are interpolated linearly; a table must measure
+width 1 and at least the widest width a program verifies.
+
+    python -m infer.costs                  # print the default target's table
+    python -m infer.costs --recalibrate    # measure again
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import numbers
+import os
+import platform
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dloop_jax.errors import ConfigError
+
+DEFAULT_WIDTHS = (1, 2, 3, 5, 9, 13, 17)
+FORMAT = "dloop_jax.costs/1"
+# The cache length of a calibration: verification reads the whole cache, so its
+# cost grows with the capacity; 512 slots is a typical chat turn.
+CALIBRATION_CAPACITY = 512
+
+_MEMO: dict[str, "CostTable"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+  """Target forward cost per width.
+
+  Attributes:
+    costs: {width: milliseconds} (any positive unit works for the scheduler,
+      which only compares ratios), width >= 1.
+    key: what the table was measured for (target, dtypes, machine, batch).
+  """
+
+  costs: Mapping[int, float]
+  key: Mapping[str, Any] | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.costs, Mapping) or not self.costs:
+      raise ConfigError("A cost table needs at least one {width: cost} entry.")
+    clean = {}
+    for w, c in self.costs.items():
+      try:
+        width = int(w)
+      except (TypeError, ValueError):
+        raise ConfigError(f"Cost table widths must be integers >= 1, got {w!r}.") from None
+      if width < 1 or str(width) != str(w).strip():
+        raise ConfigError(f"Cost table widths must be integers >= 1, got {w!r}.")
+      if (isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c)
+          or c <= 0):
+        raise ConfigError(f"Cost table entry for width {width} must be a positive finite number,"
+                          f" got {c!r}.")
+      clean[width] = float(c)
+    object.__setattr__(self, "costs", dict(sorted(clean.items())))
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return tuple(self.costs)
+
+  def at(self, widths: Sequence[int]) -> np.ndarray:
+    """Costs at `widths` (linear interpolation between measured widths).
+
+    Raises:
+      ConfigError: width 1 is not measured, or a width is past the widest measured.
+    """
+    measured = self.widths
+    if measured[0] != 1:
+      raise ConfigError(f"The cost table measures widths {list(measured)} but not width 1 (the"
+                        " plain decode step); add it.")
+    too_wide = [w for w in widths if w > measured[-1]]
+    if too_wide:
+      raise ConfigError(
+          f"The cost table measures widths up to {measured[-1]}, but widths {too_wide} are"
+          " verified; measure them (python -m infer.costs --recalibrate --widths ...) or pass"
+          " a wider table.")
+    return np.interp(np.asarray(widths, np.float64), measured,
+                     [self.costs[w] for w in measured]).astype(np.float32)
+
+  def to_json(self) -> dict:
+    return {"format": FORMAT, "unit": "ms", "key": dict(self.key or {}),
+            "costs": {str(w): c for w, c in self.costs.items()}}
+
+  def save(self, path: str | os.PathLike) -> str:
+    """Writes the table as JSON (the format `load` reads); returns the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+      json.dump(self.to_json(), f, indent=1, default=str)
+    os.replace(tmp, path)
+    return path
+
+  def format(self) -> str:
+    """A readable table: width, ms, and the ratio to a 1-token forward."""
+    one = self.costs.get(1)
+    lines = ["width  ms       x width 1"]
+    for w, c in self.costs.items():
+      ratio = f"{c / one:.2f}" if one else "-"
+      lines.append(f"{w:>5}  {c:>7.2f}  {ratio}")
+    return "\n".join(lines)
+
+
+def load(path: str | os.PathLike) -> CostTable:
+  """Reads a cost table JSON file ({"costs": {"1": 30.0, "2": 40.4, ...}, ...}).
+
+  Raises:
+    ConfigError: the file is missing, not JSON, or not a cost table.
+  """
+  path = os.fspath(path)
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except OSError as e:
+    raise ConfigError(f"Cannot read cost table {path}: {e.strerror or e}.") from e
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"Cost table {path} is not valid JSON: {e}.") from e
+  if not isinstance(data, dict) or not isinstance(data.get("costs"), dict):
+    raise ConfigError(f"Cost table {path} needs a \"costs\" object mapping widths to"
+                      " milliseconds, e.g. {\"costs\": {\"1\": 30.0, \"5\": 51.7}}.")
+  try:
+    return CostTable(costs=data["costs"], key=data.get("key"))
+  except ConfigError as e:
+    raise ConfigError(f"Cost table {path}: {e}") from None
+
+
+def cache_dir() -> str:
+  """$DLOOP_CACHE_DIR, else ~/.cache/dloop_jax."""
+  return os.environ.get("DLOOP_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "dloop_jax")
+
+
+def _weight_dtypes(target) -> list[str]:
+  return sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(target))})
+
+
+def cache_key(target, *, batch_size: int) -> dict:
+  """What a table depends on: target config, weights' dtypes, software, machine, batch."""
+  config = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
+  device = jax.devices()[0]
+  key = dict(target=getattr(target.config, "name", "") or "",
+             config=hashlib.sha256(config.encode()).hexdigest()[:16],
+             weights=_weight_dtypes(target), jax=jax.__version__, backend=jax.default_backend(),
+             device_kind=device.device_kind, batch_size=int(batch_size),
+             capacity=_capacity(target))
+  if jax.default_backend() == "cpu":
+    key.update(processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count())
+  return key
+
+
+def _capacity(target) -> int:
+  return min(CALIBRATION_CAPACITY, target.config.max_position_embeddings)
+
+
+def _path(key: Mapping[str, Any], directory: str | None) -> str:
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+  return os.path.join(directory or cache_dir(), "costs", f"{digest}.json")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graph, state, tokens, cache):
+  """A verification-like forward: reads the cache, does not write it."""
+  model = nnx.merge(graph, state)
+  positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  return model(tokens, positions=positions, cache=cache, write_cache=False).logits
+
+
+def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS,
+              repeats: int = 7) -> CostTable:
+  """Measures the target forward's time per width (ms, median of `repeats`).
+
+  Each forward reads `width` new tokens per row against a cache of
+  `min(512, context window)` slots, half full, and does not write it (as the
+  verification branches do). Repeats go round-robin over the widths, so slow
+  drift of the machine spreads over all of them.
+  """
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+  widths = sorted({int(w) for w in widths} | {1})
+  graph, state = nnx.split(target)
+  capacity = _capacity(target)
+  fill = capacity // 2
+  if fill + max(widths) > target.config.max_position_embeddings:
+    fill = max(0, target.config.max_position_embeddings - max(widths))
+
+  def forward(state, tokens, cache):
+    return _forward(graph, state, tokens, cache)
+
+  cache = target.init_cache(batch_size=batch_size, capacity=capacity)
+  cache = cache.with_lengths(jnp.full((batch_size,), fill, jnp.int32))
+  rng = np.random.default_rng(0)
+  inputs = {w: jnp.asarray(rng.integers(0, target.config.vocab_size, (batch_size, w)), jnp.int32)
+            for w in widths}
+  for w in widths:  # compile, and one cold run
+    forward(state, inputs[w], cache).block_until_ready()
+  times: dict[int, list[float]] = {w: [] for w in widths}
+  for _ in range(max(1, repeats)):
+    for w in widths:
+      t0 = time.perf_counter()
+      forward(state, inputs[w], cache).block_until_ready()
+      times[w].append((time.perf_counter() - t0) * 1e3)
+  return CostTable(costs={w: statistics.median(t) for w, t in times.items()},
+                   key=cache_key(target, batch_size=batch_size))
+
+
+def for_target(target, *, batch_size: int, widths: Sequence[int] = (),
+               directory: str | None = None, recalibrate: bool = False) -> CostTable:
+  """The cached table of `target` at `batch_size`; calibrated (and saved) when missing.
+
+  Args:
+    target: the target model.
+    batch_size: rows per forward.
+    widths: widths the caller needs; any past the table's widest are measured
+      and added to the cached file.
+    directory: cache root (default `cache_dir()`); tables go to its costs/.
+    recalibrate: measure again even if a table is cached.
+  """
+  key = cache_key(target, batch_size=batch_size)
+  path = _path(key, directory)
+  table = None if recalibrate else _MEMO.get(path)
+  if table is None and not recalibrate and os.path.exists(path):
+    try:
+      table = load(path)
+    except ConfigError:
+      table = None  # a damaged cache entry is measured again
+  wanted = set(DEFAULT_WIDTHS) | {int(w) for w in widths}
+  if table is None:
+    table = calibrate(target, batch_size=batch_size, widths=sorted(wanted))
+    table.save(path)
+  elif max(wanted) > table.widths[-1]:
+    extra = calibrate(target, batch_size=batch_size,
+                      widths=[1] + [w for w in sorted(wanted) if w > table.widths[-1]])
+    # Keep the cached measurements; rescale the new ones to the cached width 1.
+    scale = table.costs[1] / extra.costs[1] if 1 in table.costs else 1.0
+    merged = dict(table.costs)
+    merged.update({w: c * scale for w, c in extra.costs.items() if w > table.widths[-1]})
+    table = CostTable(costs=merged, key=key)
+    table.save(path)
+  _MEMO[path] = table
+  return table
+
+
+def as_table(value) -> CostTable:
+  """A `CostTable` from a table, a {width: cost} mapping or a JSON file path."""
+  if isinstance(value, CostTable):
+    return value
+  if isinstance(value, Mapping):
+    return CostTable(costs=value)
+  if isinstance(value, (str, os.PathLike)):
+    return load(value)
+  raise ConfigError("costs must be None, a CostTable, a {width: cost} mapping or the path of a"
+                    f" JSON cost table, got {type(value).__name__}.")
+
+
+def resolve(value, *, target, batch_size: int, widths: Sequence[int]) -> np.ndarray:
+  """Costs [len(widths)] f32 at the compiled widths, from `generate()`'s `costs` argument."""
+  if value is None:
+    env = os.environ.get("DLOOP_COSTS")
+    table = load(env) if env else for_target(target, batch_size=batch_size, widths=widths)
+  else:
+    table = as_table(value)
+  return table.at(widths)

@@ -1,0 +1,61 @@
+"""`python -m infer.costs`: the per-width target forward cost table the scheduler uses.
+
+    python -m infer.costs                               # print (measure on first use)
+    python -m infer.costs --recalibrate                 # measure again, update the cache
+    python -m infer.costs --batch-size 4 --save t.json  # another batch size, also to a file
+    python -m infer.costs --widths 1,2,3,5,9,13,17,21   # measure these widths
+
+The table is cached under $DLOOP_CACHE_DIR/costs/ (default ~/.cache/dloop_jax/costs/),
+keyed by target, weight dtypes, jax version, device and batch size; generate(),
+python -m infer and the benchmark read it from there (or from --costs / $DLOOP_COSTS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m infer.costs", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default="smollm2-135m-instruct",
+                 help="registry name, .gguf path or Hugging Face model directory")
+  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--widths", default="", help="comma-separated widths to measure as well")
+  p.add_argument("--recalibrate", action="store_true", help="measure even if cached")
+  p.add_argument("--save", default=None, help="also write the table to this JSON file")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = _parse(argv)
+  from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
+  try:
+    try:
+      widths = [int(w) for w in args.widths.split(",") if w.strip()]
+    except ValueError:
+      widths = [0]
+    if any(w < 1 for w in widths):
+      raise DLoopError(f"--widths must be integers >= 1, got {args.widths!r}.")
+    if args.batch_size < 1:
+      raise DLoopError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    target = load_target(args.target)
+    table = costs_lib.for_target(target.model, batch_size=args.batch_size, widths=widths,
+                                 recalibrate=args.recalibrate)
+    key = table.key or {}
+    print(f"{target.name}: batch {args.batch_size}, weights {','.join(key.get('weights', []))},"
+          f" {key.get('device_kind', '?')}, jax {key.get('jax', '?')}")
+    print(table.format())
+    if args.save:
+      print(f"saved to {table.save(args.save)}", file=sys.stderr)
+  except (DLoopError, OSError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
