@@ -40,3 +40,30 @@ def test_rows_are_independent_and_inactive_rows_never_draft():
   np.testing.assert_array_equal(draft_policy.wants_draft(state, active=active),
                                 [False, True, False])
   np.testing.assert_array_equal(state.pause, [1, 0, 0])
+
+
+def test_generate_pauses_a_drafter_that_is_never_right_and_stays_lossless(tiny):
+  import drafter_fixtures  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
+  from lossless import assert_same_or_near_tie  # pylint: disable=g-import-not-at-top
+
+  prompts = [[3, 9, 4], [7, 1, 5, 2, 8], [11]]
+  ar = generate(tiny, prompts, max_new_tokens=24)
+  for kind, drafter, backoff in [
+      ("random", drafter_fixtures.random_drafter(tiny, seed=4), 8),
+      ("oracle", drafter_fixtures.oracle(tiny), 8),
+      ("random", drafter_fixtures.random_drafter(tiny, seed=4), 0)]:
+    out = generate(tiny, prompts, max_new_tokens=24, mode="dloop", drafter=drafter,
+                   block_size=2, max_stages=2, gate=-1.0, schedule="off",
+                   draft_backoff=backoff)
+    for p, want, got in zip(prompts, ar.tokens, out.tokens):
+      assert_same_or_near_tie(tiny, p, want, got)
+    for row in out.rows:
+      rounds_without_drafts = row.stage_histogram[0]
+      if backoff and row.accepted == 0:
+        # Pauses of 1, 2, 4, 8, 8, ... rounds between fruitless drafting rounds.
+        assert rounds_without_drafts >= row.rounds // 2, row
+      elif backoff == 0:
+        assert rounds_without_drafts == 0
+    if kind == "oracle":
+      assert all(r.stage_histogram[0] == 0 for r in out.rows)

@@ -46,6 +46,7 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.decoding import costs as costs_lib
+from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
@@ -59,6 +60,8 @@ if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
   from dloop_jax.drafters.base import Drafter
 
 MODES = ("ar", "sd", "dloop")
+# Longest drafting pause (rounds) by default with schedule="cost".
+DEFAULT_DRAFT_BACKOFF = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,7 @@ class _Loop:
   done: jax.Array  # [B] bool
   features: jax.Array  # [B, C, n_taps, D] captured target taps (AR capture only)
   stats: _Stats
+  backoff: draft_policy.Backoff  # which rows draft this round
   round: jax.Array  # scalar
 
 
@@ -239,7 +243,7 @@ def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache
 
 
 def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt_lengths,
-            key, gate, costs):
+            key, gate, costs, max_skip):
   """The whole generation as one traced program."""
   global _TRACE_COUNT
   _TRACE_COUNT += 1
@@ -292,7 +296,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                  stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32))
   loop = _Loop(cache=cache, drafter_state=drafter_state, pending=first, out=out,
                num_new=counts, done=done, features=features, stats=stats,
-               round=jnp.zeros((), jnp.int32))
+               backoff=draft_policy.Backoff.create(b), round=jnp.zeros((), jnp.int32))
 
   def cond(lp: _Loop):
     return jnp.any(~lp.done) & (lp.round < s.max_new_tokens)
@@ -357,7 +361,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
 
     _, dstate, drafts, conf, probs, num_stages, _ = jax.lax.while_loop(
         stage_cond, stage_body,
-        (jnp.zeros((), jnp.int32), lp.drafter_state, drafts0, conf0, probs0, zeros, active))
+        (jnp.zeros((), jnp.int32), lp.drafter_state, drafts0, conf0, probs0, zeros,
+         draft_policy.wants_draft(lp.backoff, active=active)))
     num_drafts = num_stages * gamma
 
     # ------------------------------------------- what to verify, then verify it
@@ -398,7 +403,11 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         drafter_state=dstate,
         pending=jnp.where(committed, last, lp.pending),
         out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
-        num_new=lp.num_new + counts, done=lp.done | finished, stats=st, round=lp.round + 1)
+        num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
+        backoff=draft_policy.update(lp.backoff, drafted=active & (num_stages > 0),
+                                    accepted=jnp.where(active, v.num_accepted, 0),
+                                    max_skip=max_skip),
+        round=lp.round + 1)
 
   loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else speculative_round, loop)
   return loop.out[:, :s.max_new_tokens], loop.num_new, loop.stats, loop.features
@@ -436,11 +445,13 @@ def _is_int(value) -> bool:
 
 
 def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
-              schedule) -> None:
+              schedule, draft_backoff) -> None:
   if mode not in MODES:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
   if schedule not in schedule_lib.SCHEDULES:
     raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}.")
+  if draft_backoff is not None and (not _is_int(draft_backoff) or draft_backoff < 0):
+    raise ConfigError(f"draft_backoff must be None or an int >= 0 (rounds), got {draft_backoff!r}.")
   if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
   if mode == "ar":
@@ -477,6 +488,7 @@ def _prepare(
     capture_taps: Sequence[int] = (),
     schedule: str = "cost",
     costs: Any = None,
+    draft_backoff: int | None = None,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
@@ -485,7 +497,7 @@ def _prepare(
     max_stages = 1
   _validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
             max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
-            schedule=schedule)
+            schedule=schedule, draft_backoff=draft_backoff)
   if not isinstance(sampling, sampling_lib.SamplingConfig):
     raise ConfigError("sampling must be a SamplingConfig.")
   if capture_taps and mode != "ar":
@@ -529,8 +541,11 @@ def _prepare(
     cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths)
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
+  if draft_backoff is None:
+    draft_backoff = DEFAULT_DRAFT_BACKOFF if static.schedule == "cost" else 0
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
-          jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32))
+          jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
+          jnp.asarray(draft_backoff, jnp.int32))
   return static, args
 
 
@@ -556,6 +571,7 @@ def generate(
     capture_taps: Sequence[int] = (),
     schedule: str = "cost",
     costs: Any = None,
+    draft_backoff: int | None = None,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -583,6 +599,12 @@ def generate(
       machine at this batch size, measured the first time and cached on disk
       (`decoding.costs`). The table is a traced value: changing it does not
       recompile.
+    draft_backoff: ("sd" / "dloop") the longest pause, in rounds, of a row's
+      drafting after rounds whose drafts were all rejected or not worth
+      verifying (`decoding.draft_policy`: pauses double from 1 up to this;
+      rounds in a pause are plain decode steps); 0 drafts every round. None:
+      `DEFAULT_DRAFT_BACKOFF` with schedule="cost", 0 with "off". A traced
+      value: changing it does not recompile.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -590,7 +612,8 @@ def generate(
   static, args = _prepare(
       target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
-      stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs)
+      stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
+      draft_backoff=draft_backoff)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages
