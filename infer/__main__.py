@@ -43,6 +43,9 @@ def _parse(argv):
                  help="cost: verify only the prefix of the drafts expected to pay for its"
                       " verification (per-width cost table of this target on this machine);"
                       " off: verify every draft")
+  p.add_argument("--draft-backoff", type=int, default=None,
+                 help="longest pause (rounds) of drafting after fruitless rounds (default: 8"
+                      " with --schedule cost, 0 with off)")
   p.add_argument("--costs", default=None,
                  help="JSON cost table to schedule with (default: $DLOOP_COSTS, else the"
                       " cached table of the target, measured on first use; see"
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
       out = generate(target.model, [ids], max_new_tokens=args.max_new_tokens, mode=mode,
                      drafter=drafter, block_size=args.block_size, gate=args.gate,
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
-                     stop_tokens=stop, schedule=args.schedule, costs=args.costs)
+                     stop_tokens=stop, schedule=args.schedule, costs=args.costs,
+                     draft_backoff=args.draft_backoff)
       new = out.tokens[0]
       answer = tok.decode(new, skip_special_tokens=True)
       row = out.rows[0]
