@@ -129,6 +129,68 @@ def test_features_equal_direct_forward(sharegpt_build):
     assert np.abs(stored[:n - 1]).max() > 0.1
 
 
+# Greedy, with a stop token: responses of several lengths, and a last partial
+# batch filled with copies.
+GREEDY_STOP = 9
+
+
+@pytest.fixture(scope="module")
+def greedy_build(tmp_path_factory):
+  model = tiny_target(seed=1, eos_token_ids=(GREEDY_STOP,))
+  config = tr.make_config(target="tiny_stop", prompt_source="random", num_prompts=10,
+                          max_new_tokens=20, batch_size=4, chunk_size=8, seed=7,
+                          random_prompt_min_len=2, random_prompt_max_len=30)
+  builder = tr.TargetResponses(data_dir=str(tmp_path_factory.mktemp("greedy")), config=config,
+                               file_format="array_record", progress=False, target_model=model)
+  builder.download_and_prepare(download_config=tr.no_network_download_config())
+  return model, _examples(builder.data_dir)
+
+
+def test_greedy_build_equals_generate_ar_and_its_taps(greedy_build):
+  # Tokens = greedy `generate(mode="ar")`; features = the taps the engine
+  # computes for them, to float16 precision.
+  model, examples = greedy_build
+  taps = default_taps(2)
+  assert len(examples) == 10
+  stopped = [bool(e["stopped"]) for e in examples]
+  assert any(stopped) and not all(stopped)
+  for start in range(0, len(examples), 4):
+    batch = examples[start:start + 4]
+    out = generate(model, [e["tokens"][:e["prompt_len"]].tolist() for e in batch],
+                   max_new_tokens=20, stop_tokens=(GREEDY_STOP,), capture_taps=taps)
+    for e, response, captured in zip(batch, out.tokens, out.features):
+      assert e["tokens"][e["prompt_len"]:].tolist() == response
+      assert bool(e["stopped"]) == (response[-1] == GREEDY_STOP)
+      n = len(e["tokens"])
+      np.testing.assert_allclose(e["features"][:n - 1].astype(np.float32), captured,
+                                 rtol=2e-3, atol=2e-3)
+      assert not e["features"][n - 1].any()
+
+
+def test_sharegpt_prompts_skip_repeats_and_heldout_texts():
+  records = [
+      tr.ShareGPTRecord(key="a", text="Hello there", starts_with_user=True),
+      tr.ShareGPTRecord(key="b", text="  hello   THERE ", starts_with_user=True),  # repeat of a
+      tr.ShareGPTRecord(key="c", text="What is 2+2?", starts_with_user=True),
+      tr.ShareGPTRecord(key="d", text="continue", starts_with_user=False),
+      tr.ShareGPTRecord(key="e", text="Write a poem", starts_with_user=True),  # held out
+      tr.ShareGPTRecord(key="f", text="x" * 50, starts_with_user=True),  # too long
+      tr.ShareGPTRecord(key="g", text="Tell me a joke", starts_with_user=True),
+  ]
+  prompts, counts = tr.select_sharegpt_prompts(
+      records, heldout_texts=["write a  poem"], num_prompts=10, seed=0,
+      skip_continuations=True, max_tokens=20, encode=lambda text: list(text.encode()))
+  keys = sorted(p.key for p in prompts)
+  assert len(keys) == 3 and "c" in keys and "g" in keys and keys[0] in ("a", "b")
+  assert counts == {"examined": 7, "continuation": 1, "heldout_duplicate": 1, "duplicate": 1,
+                    "overlong_tokens": 1}
+  # A seed picks the same prompts, in the same order.
+  again, _ = tr.select_sharegpt_prompts(
+      records, heldout_texts=["write a  poem"], num_prompts=10, seed=0,
+      skip_continuations=True, max_tokens=20, encode=lambda text: list(text.encode()))
+  assert again == prompts
+
+
 def test_metadata_check_refuses_other_taps_or_target(sharegpt_build, tmp_path):
   builder, _ = sharegpt_build
   path = os.fspath(builder.data_dir)
