@@ -68,6 +68,9 @@ def _parse(argv):
   p.add_argument("--schedules", default="cost,off",
                  help="verification schedules of sd / dloop: cost (the prefix that pays; methods"
                       " sd, dloop) and off (every draft; sd/all, dloop/all)")
+  p.add_argument("--draft-backoff", type=int, default=None,
+                 help="longest drafting pause after fruitless rounds (default: 8 with schedule"
+                      " cost, 0 with off; the gate sweep always drafts)")
   p.add_argument("--costs", default=None,
                  help="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
                       " target's cached table, measured on first use)")
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
           methods.append(methods_lib.Ours(
               method=mode, target=target.model, drafter=d, drafter_label=label,
               block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
-              schedule=schedule, costs=costs, **common))
+              schedule=schedule, costs=costs, draft_backoff=args.draft_backoff, **common))
     threads = os.cpu_count() or 1
     if not args.no_peers:
       hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
@@ -302,8 +305,9 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
   ar = [r for r in records if r["method"] == "ar" and (r["category"], r["prompt_id"]) in keys]
   points = []
   for label, d in drafters:
+    # The gate alone: every round drafts (no back-off), the scheduler as in the main run.
     m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
-                         block_size=args.block_size, **common)
+                         block_size=args.block_size, draft_backoff=0, **common)
     for s_max in args.sweep_max_stages:
       # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
       for g in args.sweep_gates:

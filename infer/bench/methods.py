@@ -60,6 +60,7 @@ class Ours:
   seed: int = 0
   schedule: str = "cost"
   costs: Any = None  # the scheduler's cost table (None: generate()'s default)
+  draft_backoff: int | None = None  # None: generate()'s default for the schedule
 
   @property
   def method_name(self) -> str:
@@ -79,7 +80,7 @@ class Ours:
         gate=self.gate if gate is None else gate,
         max_stages=self.max_stages if max_stages is None else max_stages,
         sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
-        schedule=self.schedule, costs=self.costs)
+        schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,
