@@ -23,6 +23,10 @@ def _parse(argv):
                  help="registry name, .gguf path or Hugging Face model directory")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--widths", default="", help="comma-separated widths to measure as well")
+  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
+                 help="storage of the target's weight matrices (each has its own table)")
+  p.add_argument("--cache-length", type=int, default=None,
+                 help="measure (and print, not cache) at this many filled cache slots")
   p.add_argument("--recalibrate", action="store_true", help="measure even if cached")
   p.add_argument("--save", default=None, help="also write the table to this JSON file")
   return p.parse_args(argv)
@@ -42,9 +46,14 @@ def main(argv=None) -> int:
       raise DLoopError(f"--widths must be integers >= 1, got {args.widths!r}.")
     if args.batch_size < 1:
       raise DLoopError(f"--batch-size must be >= 1, got {args.batch_size}.")
-    target = load_target(args.target)
-    table = costs_lib.for_target(target.model, batch_size=args.batch_size, widths=widths,
-                                 recalibrate=args.recalibrate)
+    target = load_target(args.target, weights=args.weights)
+    if args.cache_length is not None:
+      table = costs_lib.calibrate(target.model, batch_size=args.batch_size,
+                                  widths=sorted(set(widths) | set(costs_lib.DEFAULT_WIDTHS)),
+                                  cache_length=args.cache_length)
+    else:
+      table = costs_lib.for_target(target.model, batch_size=args.batch_size, widths=widths,
+                                   recalibrate=args.recalibrate)
     key = table.key or {}
     print(f"{target.name}: batch {args.batch_size}, weights {','.join(key.get('weights', []))},"
           f" {key.get('device_kind', '?')}, jax {key.get('jax', '?')}")

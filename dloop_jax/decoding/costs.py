@@ -200,13 +200,14 @@ def _forward(graph, state, tokens, cache):
 
 
 def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS,
-              repeats: int = 7) -> CostTable:
+              repeats: int = 7, cache_length: int | None = None) -> CostTable:
   """Measures the target forward's time per width (ms, median of `repeats`).
 
   Each forward reads `width` new tokens per row against a cache of
-  `min(512, context window)` slots, half full, and does not write it (as the
-  verification branches do). Repeats go round-robin over the widths, so slow
-  drift of the machine spreads over all of them.
+  `min(512, context window)` slots, half full (or `cache_length` slots filled
+  of a cache just large enough), and does not write it (as the verification
+  branches do). Repeats go round-robin over the widths, so slow drift of the
+  machine spreads over all of them.
   """
   if not isinstance(batch_size, int) or batch_size < 1:
     raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}.")
@@ -214,6 +215,11 @@ def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS
   graph, state = nnx.split(target)
   capacity = _capacity(target)
   fill = capacity // 2
+  if cache_length is not None:
+    if not isinstance(cache_length, int) or cache_length < 0:
+      raise ConfigError(f"cache_length must be an int >= 0, got {cache_length!r}.")
+    fill = cache_length
+    capacity = -(-(cache_length + max(widths)) // 64) * 64
   if fill + max(widths) > target.config.max_position_embeddings:
     fill = max(0, target.config.max_position_embeddings - max(widths))
 
