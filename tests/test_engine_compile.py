@@ -21,7 +21,7 @@ def drafter(tiny):
 
 def test_one_compile_per_shape(tiny, drafter):
   """Same shapes (other prompts, seed, gate) reuse the program; another max_new_tokens compiles."""
-  kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX)
+  kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX, draft_backoff=0)
   generate(tiny, [[5, 6, 7], [9, 1, 2, 3, 4]], max_new_tokens=MAX_NEW, gate=-0.5, **kw)
   traces = engine.trace_count()
   again = generate(tiny, [[1, 2], [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=MAX_NEW, gate=-0.5,
@@ -43,6 +43,12 @@ def test_one_compile_per_shape(tiny, drafter):
   assert flat.compile_seconds == steep.compile_seconds == 0.0
   assert flat.total.verified == flat.total.drafted and flat.total.plain_rounds == 0
   assert steep.total.verified == 0 and steep.total.plain_rounds == steep.total.rounds
+  # And the drafting back-off: with nothing ever verified, rows pause drafting.
+  paused = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW, gate=-math.inf,
+                    costs={w: 10.0 ** w for w in range(1, 8)}, **dict(kw, draft_backoff=8))
+  assert engine.trace_count() == traces and paused.compile_seconds == 0.0
+  assert paused.tokens == steep.tokens
+  assert all(0 < r.stage_histogram[0] < r.rounds for r in paused.rows)
   # max_new_tokens is static: a new program, compiled once.
   longer = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW + 2, gate=-0.5, **kw)
   assert engine.trace_count() == traces + 1 and longer.compile_seconds > 0
@@ -110,7 +116,8 @@ def _iota_lengths(jaxpr):
     ("cost", (1, 2, 3, 5, 7)),  # and the narrow widths the scheduler may pick
 ])
 def test_dloop_program_nests_the_stage_loop_in_the_round_loop(tiny, drafter, schedule, widths):
-  """dloop: round while_loop > (stage while_loop, then a switch over the verify widths)."""
+  """dloop: round while_loop > (stage while_loop, a switch over the verify widths, then the
+  while_loop of the drafting back-off's plain steps)."""
   assert schedule_lib.verify_widths(block_size=GAMMA, max_stages=S_MAX,
                                     schedule=schedule) == widths
   n = len(widths)
@@ -119,8 +126,10 @@ def test_dloop_program_nests_the_stage_loop_in_the_round_loop(tiny, drafter, sch
                               schedule=schedule).jaxpr
   (rounds,) = _whiles(jaxpr)
   assert not _switches(jaxpr, n)
-  (stages,) = _whiles(_body(rounds))
+  stages, pauses = _whiles(_body(rounds))
   assert len(_switches(_body(rounds), n)) == 1
+  # A pause step is one plain target step: no drafting loop, no width switch.
+  assert not _whiles(_body(pauses)) and not _switches(_body(pauses), n)
   # Verification is not inside the stage loop, and there is no third loop level.
   assert not _switches(_body(stages), n) and not _whiles(_body(stages))
   # Branch i verifies widths[i] tokens (their positions are an iota of that length; the
@@ -138,12 +147,12 @@ def test_ar_and_sd_programs_have_no_stage_loop(tiny, drafter):
   sd = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="sd", drafter=drafter,
                            block_size=GAMMA, schedule="off").jaxpr
   (rounds,) = _whiles(sd)
-  assert len(_whiles(_body(rounds))) == 1
+  assert len(_whiles(_body(rounds))) == 2  # the one-stage loop and the back-off's steps
   assert not [e for e in _control_flow(_body(rounds))
               if e.primitive.name == "cond" and len(e.params["branches"]) > 1]
   sd = engine.decode_jaxpr(tiny, [[1, 2, 3]], max_new_tokens=8, mode="sd", drafter=drafter,
                            block_size=GAMMA).jaxpr
   (rounds,) = _whiles(sd)
-  assert len(_whiles(_body(rounds))) == 1
+  assert len(_whiles(_body(rounds))) == 2  # the one-stage loop and the back-off's steps
   assert [len(e.params["branches"]) for e in _control_flow(_body(rounds))
           if e.primitive.name == "cond" and len(e.params["branches"]) > 1] == [3]

@@ -200,7 +200,8 @@ class _CountingBlock(BlockDrafter):
 def test_drafter_forwards_are_counted_exactly(tiny, cls):
   """drafter_forwards equals the forwards the drafter ran and the hand count.
 
-  Hand count: 1 commit after the prefill, and per round 1 commit plus
+  Hand count: 1 commit after the prefill, and per round 1 commit plus (nothing
+  in a round without drafting)
     EAGLE-3: gamma - 1 forwards for the first stage, gamma for each later one
              (it first reads the previous stage's pending draft), so s * gamma - 1;
     block:   one forward per stage, so s.
@@ -208,12 +209,17 @@ def test_drafter_forwards_are_counted_exactly(tiny, cls):
   kind = "eagle3" if cls is _CountingEagle3 else "block"
   drafter = cls(resolve_config({"kind": kind, "block_size": 4}, tiny.config), target=tiny,
                 rngs=nnx.Rngs(0))
-  drafter.counter.n = 0
-  out = generate(tiny, [Q], max_new_tokens=MAX_NEW, mode="dloop", drafter=drafter,
-                 block_size=GAMMA, gate=-4.0, max_stages=S_MAX)
-  row = out.rows[0]
-  assert row.stage_histogram[1] > 0 and row.stage_histogram[S_MAX] > 0, row.stage_histogram
-  per_round = [(s * GAMMA - 1) if kind == "eagle3" else s for s in range(S_MAX + 1)]
-  hand = 1 + sum(c * (1 + per_round[s]) for s, c in enumerate(row.stage_histogram))
-  assert row.drafter_forwards == hand
-  assert drafter.counter.n == hand
+  for backoff in (0, 8):
+    drafter.counter.n = 0
+    out = generate(tiny, [Q], max_new_tokens=MAX_NEW, mode="dloop", drafter=drafter,
+                   block_size=GAMMA, gate=-4.0, max_stages=S_MAX, draft_backoff=backoff)
+    row = out.rows[0]
+    if backoff:
+      assert row.stage_histogram[0] > 0, row.stage_histogram
+    else:
+      assert row.stage_histogram[1] > 0 and row.stage_histogram[S_MAX] > 0, row.stage_histogram
+    # s = 0: a round of the drafting back-off (no drafting; the commit only).
+    per_round = [0] + [(s * GAMMA - 1) if kind == "eagle3" else s for s in range(1, S_MAX + 1)]
+    hand = 1 + sum(c * (1 + per_round[s]) for s, c in enumerate(row.stage_histogram))
+    assert row.drafter_forwards == hand
+    assert drafter.counter.n == hand

@@ -72,7 +72,9 @@ def test_first_three_tokens_match_target(tiny, exact, setting, mode, gamma, max_
     kwargs = dict(drafter=make(), block_size=gamma, max_stages=max_stages, gate=gate,
                   schedule=schedule)
     runs = [kwargs] if schedule == "off" else [
-        dict(kwargs, costs=costs) for costs in (None, _forcing(j))]
+        # The default table with the drafting back-off; a forcing table with every
+        # round drafting, so that it forces the verified prefix of every round.
+        dict(kwargs, costs=None), dict(kwargs, costs=_forcing(j), draft_backoff=0)]
   for kwargs in runs:
     out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode=mode, sampling=sampling,
                    seed=11, **kwargs)

@@ -179,8 +179,10 @@ def drafters(tiny):
 
 
 def _dloop(tiny, drafter, costs, gate=-2.0, **kw):
+  # The scheduler alone: every round drafts (no back-off, `test_draft_policy.py`).
   return generate(tiny, [P, Q], max_new_tokens=MAX_NEW, mode="dloop", drafter=drafter,
-                  block_size=GAMMA, gate=gate, max_stages=S_MAX, costs=costs, **kw)
+                  block_size=GAMMA, gate=gate, max_stages=S_MAX, costs=costs, draft_backoff=0,
+                  **kw)
 
 
 def test_flat_table_verifies_everything_steep_nothing(tiny, drafters):

@@ -409,7 +409,45 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                                     max_skip=max_skip),
         round=lp.round + 1)
 
-  loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else speculative_round, loop)
+  def paused_step(lp: _Loop) -> _Loop:
+    """A plain decode step while every active row pauses drafting (`draft_policy`).
+
+    The same target step as `ar_round` (one token, written in place), and the
+    drafter reads the committed token: no drafting, no verification widths.
+    """
+    active = ~lp.done
+    act = active.astype(jnp.int32)
+    starts = lp.cache.lengths
+    o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=drafter.taps)
+    token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
+    counts, finished = _commit_counts(new_tokens=token[:, None], num_valid=act,
+                                      num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
+    committed = counts > 0
+    dstate = drafter.commit(lp.drafter_state, tokens=lp.pending[:, None], features=o.taps,
+                            next_tokens=token[:, None], starts=starts, counts=counts)
+    st = lp.stats
+    st = st.replace(rounds=st.rounds + act, committed=st.committed + counts,
+                    plain_rounds=st.plain_rounds + act, drafter_forwards=st.drafter_forwards + act,
+                    target_tokens=st.target_tokens + act,
+                    stage_hist=st.stage_hist.at[:, 0].add(act))
+    return lp.replace(
+        cache=o.cache.with_lengths(jnp.where(committed, starts + 1, starts)),
+        drafter_state=dstate, pending=jnp.where(committed, token, lp.pending),
+        out=kv_lib.write_rows(lp.out, token[:, None], lp.num_new),
+        num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
+        backoff=draft_policy.update(lp.backoff, drafted=jnp.zeros_like(active), accepted=zeros,
+                                    max_skip=max_skip),
+        round=lp.round + 1)
+
+  def all_paused(lp: _Loop):
+    return cond(lp) & ~jnp.any(draft_policy.wants_draft(lp.backoff, active=~lp.done))
+
+  def round_then_pauses(lp: _Loop) -> _Loop:
+    # A speculative round, then the plain steps of a pause in a loop of their
+    # own (none while some active row is due to draft, or once all are done).
+    return jax.lax.while_loop(all_paused, paused_step, speculative_round(lp))
+
+  loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else round_then_pauses, loop)
   return loop.out[:, :s.max_new_tokens], loop.num_new, loop.stats, loop.features
 
 
