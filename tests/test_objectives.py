@@ -174,6 +174,8 @@ def learnable():
 
 
 def _tau(target, drafter, held, **kw):
+  # Drafter quality: every draft verified, every round drafting (the method as stated).
+  kw.setdefault("schedule", "off")
   out = generate(target, [h["prompt"] for h in held], max_new_tokens=40, drafter=drafter,
                  block_size=GAMMA, **kw)
   return out.total
