@@ -301,13 +301,23 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   def cond(lp: _Loop):
     return jnp.any(~lp.done) & (lp.round < s.max_new_tokens)
 
+  def target_step(lp: _Loop, taps: tuple[int, ...]):
+    """The target reads the pending token (cache written in place) and picks the next one.
+
+    Returns the forward's output, the token [B], and its commit counts / finished [B].
+    """
+    starts = lp.cache.lengths
+    o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=taps)
+    token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
+    counts, finished = _commit_counts(
+        new_tokens=token[:, None], num_valid=(~lp.done).astype(jnp.int32), num_new=lp.num_new,
+        max_new_tokens=s.max_new_tokens, stop=stop)
+    return o, token, counts, finished
+
   def ar_round(lp: _Loop) -> _Loop:
     active = ~lp.done
     starts = lp.cache.lengths
-    o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=s.capture_taps)
-    token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
-    counts, finished = _commit_counts(new_tokens=token[:, None], num_valid=active.astype(jnp.int32),
-                                      num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
+    o, token, counts, finished = target_step(lp, s.capture_taps)
     features = lp.features
     if s.capture_taps:
       features = kv_lib.write_rows(features, o.taps, starts)
@@ -418,10 +428,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     active = ~lp.done
     act = active.astype(jnp.int32)
     starts = lp.cache.lengths
-    o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=drafter.taps)
-    token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
-    counts, finished = _commit_counts(new_tokens=token[:, None], num_valid=act,
-                                      num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
+    o, token, counts, finished = target_step(lp, drafter.taps)
     committed = counts > 0
     dstate = drafter.commit(lp.drafter_state, tokens=lp.pending[:, None], features=o.taps,
                             next_tokens=token[:, None], starts=starts, counts=counts)
