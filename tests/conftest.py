@@ -5,15 +5,19 @@ from __future__ import annotations
 import os
 import sys
 
-# Tests run on the CPU with f32; keep XLA from grabbing every core's threads
-# per process when several test processes share a small machine.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+# Tests run on the CPU with f32 and spend most of their time compiling small
+# programs: LLVM's optimisation level 0 compiles them about a third faster
+# (matrix products still call the same Eigen kernels).
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(__file__))
 
+import atexit  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from dloop_jax.decoding import clear_compiled  # noqa: E402
@@ -32,6 +36,20 @@ os.environ["DLOOP_CACHE_DIR"] = _TEST_CACHE
 os.environ["DLOOP_COSTS"] = os.path.join(_TEST_CACHE, "cpu_costs.json")
 with open(os.environ["DLOOP_COSTS"], "w") as _f:
   json.dump({"costs": {str(w): c for w, c in CPU_COSTS.items()}}, _f)
+
+# One persistent compilation cache for the whole run, shared by the test
+# processes and the command-line runs they start ($DLOOP_JAX_CACHE, read by
+# `infer.enable_compilation_cache`): modules free their programs when they end
+# (below), and a later module or process that needs the same program loads it
+# instead of compiling it again. Made fresh by the first process of a run (the
+# others inherit the variable) and removed when that process exits, so the
+# user's cache is neither read nor written.
+if "DLOOP_JAX_CACHE" not in os.environ:
+  os.environ["DLOOP_JAX_CACHE"] = tempfile.mkdtemp(prefix="dloop_jax_xla_")
+  atexit.register(shutil.rmtree, os.environ["DLOOP_JAX_CACHE"], ignore_errors=True)
+_XLA_CACHE = os.environ["DLOOP_JAX_CACHE"]
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 @pytest.fixture(autouse=True, scope="module")
