@@ -200,11 +200,14 @@ class _CountingBlock(BlockDrafter):
 def test_drafter_forwards_are_counted_exactly(tiny, cls):
   """drafter_forwards equals the forwards the drafter ran and the hand count.
 
-  Hand count: 1 commit after the prefill, and per round 1 commit plus (nothing
-  in a round without drafting)
+  Hand count, for an untrained drafter whose drafts are all rejected: 1 commit
+  after the prefill, and per drafting round
     EAGLE-3: gamma - 1 forwards for the first stage, gamma for each later one
              (it first reads the previous stage's pending draft), so s * gamma - 1;
-    block:   one forward per stage, so s.
+    block:   one forward per stage, so s;
+  plus 1 at the start of every drafting round but the first, which reads the
+  tokens committed since the last (`decoding.deferred`): no round accepts a
+  draft, so none commits at once, and a pause's rounds run no drafter forward.
   """
   kind = "eagle3" if cls is _CountingEagle3 else "block"
   drafter = cls(resolve_config({"kind": kind, "block_size": 4}, tiny.config), target=tiny,
@@ -218,8 +221,9 @@ def test_drafter_forwards_are_counted_exactly(tiny, cls):
       assert row.stage_histogram[0] > 0, row.stage_histogram
     else:
       assert row.stage_histogram[1] > 0 and row.stage_histogram[S_MAX] > 0, row.stage_histogram
-    # s = 0: a round of the drafting back-off (no drafting; the commit only).
-    per_round = [0] + [(s * GAMMA - 1) if kind == "eagle3" else s for s in range(1, S_MAX + 1)]
-    hand = 1 + sum(c * (1 + per_round[s]) for s, c in enumerate(row.stage_histogram))
+    assert row.accepted == 0
+    per_round = [(s * GAMMA - 1) if kind == "eagle3" else s for s in range(1, S_MAX + 1)]
+    drafting = row.stage_histogram[1:]
+    hand = 1 + sum(c * n for c, n in zip(drafting, per_round)) + sum(drafting) - 1
     assert row.drafter_forwards == hand
     assert drafter.counter.n == hand

@@ -5,8 +5,8 @@ it verifies; both act after drafting has been paid for. Where the drafter is
 weak (a passage it cannot predict), the scheduler verifies nothing and the
 drafting was wasted; on a CPU a drafting stage plus its bookkeeping cost a
 sizeable fraction of a target step. So a row whose last drafting round
-committed no draft skips drafting for a while (plain decode steps, the drafter
-still reading every committed token), and the pause doubles with each
+committed no draft skips drafting for a while (plain decode steps; the drafter
+reads the pause's tokens when drafting resumes, `deferred`), and the pause doubles with each
 consecutive fruitless round, up to `max_skip` rounds; the first round whose
 drafts are accepted resets it:
 

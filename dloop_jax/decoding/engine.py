@@ -46,6 +46,7 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.decoding import costs as costs_lib
+from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
@@ -123,6 +124,7 @@ class _Loop:
   features: jax.Array  # [B, C, n_taps, D] captured target taps (AR capture only)
   stats: _Stats
   backoff: draft_policy.Backoff  # which rows draft this round
+  deferred: deferred_lib.Deferred | None  # what the drafter reads when drafting resumes
   round: jax.Array  # scalar
 
 
@@ -296,7 +298,11 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                  stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32))
   loop = _Loop(cache=cache, drafter_state=drafter_state, pending=first, out=out,
                num_new=counts, done=done, features=features, stats=stats,
-               backoff=draft_policy.Backoff.create(b), round=jnp.zeros((), jnp.int32))
+               backoff=draft_policy.Backoff.create(b),
+               deferred=(deferred_lib.Deferred.create(
+                   batch_size=b, num_taps=n_taps, hidden_size=target.config.hidden_size,
+                   dtype=pre.taps.dtype) if drafter is not None else None),
+               round=jnp.zeros((), jnp.int32))
 
   def cond(lp: _Loop):
     return jnp.any(~lp.done) & (lp.round < s.max_new_tokens)
@@ -336,6 +342,9 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     starts = lp.cache.lengths
     round_key = jax.random.fold_in(key, lp.round)
     draft_key, accept_key = jax.random.split(round_key)
+    # The drafter first reads the tokens of the pause before this round, if any.
+    dstate, deferred, caught_up = deferred_lib.flush(
+        lp.deferred, drafter=drafter, drafter_state=lp.drafter_state, committed_length=starts)
 
     # ------------------------------------------------------- gated drafting
     drafts0 = jnp.zeros((b, s.draft_width), jnp.int32)
@@ -371,7 +380,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
 
     _, dstate, drafts, conf, probs, num_stages, _ = jax.lax.while_loop(
         stage_cond, stage_body,
-        (jnp.zeros((), jnp.int32), lp.drafter_state, drafts0, conf0, probs0, zeros,
+        (jnp.zeros((), jnp.int32), dstate, drafts0, conf0, probs0, zeros,
          draft_policy.wants_draft(lp.backoff, active=active)))
     num_drafts = num_stages * gamma
 
@@ -391,8 +400,21 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
     committed = counts > 0
     last = jnp.take_along_axis(v.new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
-    dstate = drafter.commit(dstate, tokens=v.tokens, features=v.taps,
-                            next_tokens=v.new_tokens, starts=starts, counts=counts)
+    # The drafter reads the committed tokens now if some row accepted a draft;
+    # a round that committed one token per row (its drafts rejected or not
+    # verified) leaves it to the next drafting round, like a paused step
+    # (`deferred`): the drafter's unverified drafts are discarded then.
+    read_now = jnp.any(counts > 1)
+
+    def commit_now(dstate, deferred):
+      return drafter.commit(dstate, tokens=v.tokens, features=v.taps, next_tokens=v.new_tokens,
+                            starts=starts, counts=counts), deferred
+
+    def commit_later(dstate, deferred):
+      return dstate, deferred_lib.push(deferred, token=lp.pending, features=v.taps[:, :1],
+                                       next_token=v.new_tokens[:, 0], committed=committed)
+
+    dstate, deferred = jax.lax.cond(read_now, commit_now, commit_later, dstate, deferred)
     st = lp.stats
     act = active.astype(jnp.int32)
     st = st.replace(
@@ -402,15 +424,16 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         verified=st.verified + act * choice.num_verified,
         plain_rounds=st.plain_rounds + act * (choice.num_verified == 0),
         accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
-        # Drafting, plus one forward for the commit (see `drafters.base`).
+        # Drafting, the commit if it ran now, and the commit of what the drafter
+        # had not read before the round, if any (see `drafters.base`).
         drafter_forwards=st.drafter_forwards + act * (
-            drafter.drafting_forwards(gamma, num_stages) + 1),
+            drafter.drafting_forwards(gamma, num_stages) + read_now) + caught_up,
         target_tokens=st.target_tokens + act * v.width,
         stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
             num_stages, s.max_stages + 1, dtype=jnp.int32))
     return lp.replace(
         cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),
-        drafter_state=dstate,
+        drafter_state=dstate, deferred=deferred,
         pending=jnp.where(committed, last, lp.pending),
         out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
         num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
@@ -422,24 +445,24 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   def paused_step(lp: _Loop) -> _Loop:
     """A plain decode step while every active row pauses drafting (`draft_policy`).
 
-    The same target step as `ar_round` (one token, written in place), and the
-    drafter reads the committed token: no drafting, no verification widths.
+    The same target step as `ar_round` (one token, written in place); what the
+    drafter would read is kept for the round that drafts next (`deferred`): no
+    drafter forward, no verification widths.
     """
     active = ~lp.done
     act = active.astype(jnp.int32)
     starts = lp.cache.lengths
     o, token, counts, finished = target_step(lp, drafter.taps)
     committed = counts > 0
-    dstate = drafter.commit(lp.drafter_state, tokens=lp.pending[:, None], features=o.taps,
-                            next_tokens=token[:, None], starts=starts, counts=counts)
+    deferred = deferred_lib.push(lp.deferred, token=lp.pending, features=o.taps,
+                                 next_token=token, committed=committed)
     st = lp.stats
     st = st.replace(rounds=st.rounds + act, committed=st.committed + counts,
-                    plain_rounds=st.plain_rounds + act, drafter_forwards=st.drafter_forwards + act,
-                    target_tokens=st.target_tokens + act,
+                    plain_rounds=st.plain_rounds + act, target_tokens=st.target_tokens + act,
                     stage_hist=st.stage_hist.at[:, 0].add(act))
     return lp.replace(
         cache=o.cache.with_lengths(jnp.where(committed, starts + 1, starts)),
-        drafter_state=dstate, pending=jnp.where(committed, token, lp.pending),
+        deferred=deferred, pending=jnp.where(committed, token, lp.pending),
         out=kv_lib.write_rows(lp.out, token[:, None], lp.num_new),
         num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
         backoff=draft_policy.update(lp.backoff, drafted=jnp.zeros_like(active), accepted=zeros,
@@ -447,7 +470,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         round=lp.round + 1)
 
   def all_paused(lp: _Loop):
-    return cond(lp) & ~jnp.any(draft_policy.wants_draft(lp.backoff, active=~lp.done))
+    return (cond(lp) & ~jnp.any(draft_policy.wants_draft(lp.backoff, active=~lp.done))
+            & ~jnp.any(deferred_lib.full(lp.deferred)))
 
   def round_then_pauses(lp: _Loop) -> _Loop:
     # A speculative round, then the plain steps of a pause in a loop of their
@@ -566,7 +590,10 @@ def _prepare(
   s_max = 1 if is_ar else int(max_stages)
   gamma = 0 if is_ar else int(block_size)
   tp = _bucket(longest)
-  capacity = _bucket(tp + max_new_tokens + s_max * gamma + 1, minimum=64)
+  # Room past the last token for the widest write: a verification, or the
+  # drafter's commit of a pause (`deferred`), which starts before the end.
+  capacity = _bucket(tp + max_new_tokens + max(s_max * gamma, deferred_lib.CAPACITY) + 1,
+                     minimum=64)
   target_graph, target_state = nnx.split(target)
   drafter_graph, drafter_params = (nnx.split(drafter) if (drafter is not None and not is_ar)
                                    else (None, None))

@@ -33,7 +33,10 @@ projection), one sequential step of an autoregressive drafter, or a parallel
 drafter's whole block. Taking a token from logits of a hidden state already
 computed (the LM head on the output of the previous pass) is not a forward.
 Per round: `drafting_forwards(gamma, s)` for the s stages drafted, plus 1 for
-the commit after verification; plus 1 for the commit after the prefill. Counts
+the commit after verification when some row accepted a draft; plus 1 for the
+commit after the prefill. Tokens committed without an accepted draft (a
+round's bonus token alone, the rounds of a drafting pause) are read by the
+next drafting round in one more forward (`decoding.deferred`). Counts
 are per row: a row is charged the stages it drafted, although the batched
 program keeps drafting for every row while any row continues.
 """
