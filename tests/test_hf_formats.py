@@ -453,3 +453,82 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
                                                           "shift_label": True})
   with pytest.raises(CheckpointFormatError, match="shift_label"):
     drafter_io.load_drafter(dpath, target=target)
+
+
+def test_export_cli_converts_both_ways(tmp_path):
+  """`python -m train.export`: ours -> HF layout -> ours, for a target loaded from a directory."""
+  from model_fixtures import save_hf, tiny_hf_model  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models import load_target
+  from train import export as export_cli
+
+  target_dir = save_hf(tiny_hf_model("llama_tied"), str(tmp_path / "target"))
+  real = load_target(target_dir)
+  drafter = build_drafter({"kind": "eagle3", "draft_vocab_size": 100}, target=real.model,
+                          rngs=nnx.Rngs(2))
+  ours = drafter_io.export_drafter(drafter, tmp_path / "ours", target_name="tiny")
+  hf_dir, back = str(tmp_path / "hf"), str(tmp_path / "back")
+  assert export_cli.main(["--drafter", ours, "--target", target_dir, "--out", hf_dir,
+                          "--format", "hf"]) == 0
+  assert hf_format.is_hf_dir(hf_dir)
+  assert export_cli.main(["--drafter", hf_dir, "--target", target_dir, "--out", back]) == 0
+  for path in (hf_dir, back):
+    _assert_same_weights(drafter_io.load_drafter(ours, target=real.model),
+                         drafter_io.load_drafter(path, target=real.model))
+  # A checkpoint for another target: exit code 2 and the mismatch, no traceback.
+  other, _ = eagle3_checkpoint(tmp_path / "other")
+  assert export_cli.main(["--drafter", other, "--target", target_dir, "--out",
+                          str(tmp_path / "y")]) == 2
+
+
+def test_infer_prompts_file_errors_name_the_line(tmp_path, capsys):
+  from infer.__main__ import main as infer_main
+
+  bad_json = tmp_path / "bad.jsonl"
+  bad_json.write_text('{"prompt": "hi"}\n\n{"prompt": "x",\n')
+  assert infer_main(["--prompts-file", str(bad_json), "--mode", "ar"]) == 2
+  err = capsys.readouterr().err
+  assert f"{bad_json}, line 3: not valid JSON" in err and "Traceback" not in err
+  no_prompt = tmp_path / "no_prompt.jsonl"
+  no_prompt.write_text('{"prompt": "hi"}\n{"text": "hello"}\n')
+  assert infer_main(["--prompts-file", str(no_prompt), "--mode", "ar"]) == 2
+  err = capsys.readouterr().err
+  assert f'{no_prompt}, line 2: expected an object with a string "prompt"' in err
+  assert "['text']" in err
+  missing = tmp_path / "missing.jsonl"
+  assert infer_main(["--prompts-file", str(missing), "--mode", "ar"]) == 2
+  assert "missing.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_shipped_eagle3_drafter_round_trips_through_the_hf_layout(tmp_path):
+  """The shipped SmolLM2 EAGLE-3 drafter, written for SGLang / vLLM and read back: same drafts."""
+  from dloop_jax.models import load_target
+
+  real = load_target("smollm2-135m-instruct")
+  name = "smollm2-135m-instruct-eagle3"
+  drafter = drafter_io.load_drafter(name, target=real.model)
+  path = drafter_io.export_drafter(drafter, tmp_path / "hf", target_name=real.name, format="hf")
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  assert config["draft_vocab_size"] == 8192 and config["vocab_size"] == 49152
+  loaded = drafter_io.load_drafter(path, target=real.model)
+  _assert_same_weights(drafter, loaded)
+  # One drafting stage after a real prompt's target features (jitted: 30 layers eagerly are slow).
+  ids = real.tokenizer.apply_chat_template(
+      [{"role": "user", "content": "What is 17 times 23?"}], add_generation_prompt=True)
+  tokens = jnp.asarray(ids, jnp.int32)[None]
+  n = tokens.shape[1]
+  cache = real.model.init_cache(batch_size=1, capacity=n)
+  out = nnx.jit(lambda m, t: m(t, positions=jnp.arange(n)[None], cache=cache,
+                               taps=drafter.taps))(real.model, tokens)
+  next_tokens = np.concatenate([ids[1:], [int(out.logits[0, -1].argmax())]])
+  stages = [_stage(d, np.asarray(out.taps[0]), next_tokens) for d in (drafter, loaded)]
+  np.testing.assert_array_equal(stages[0][0], stages[1][0])
+  np.testing.assert_array_equal(stages[0][1], stages[1][1])
+
+
+def _stage(drafter, features, next_tokens):
+  state = _commit(drafter, features, next_tokens, capacity=features.shape[0] + 8)
+  _, stage = nnx.jit(lambda d, s: d.draft_stage(s, key=jax.random.key(0), block_size=4,
+                                                sampling=GREEDY))(drafter, state)
+  return np.asarray(stage.tokens), np.asarray(stage.logprobs)
