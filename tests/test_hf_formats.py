@@ -73,6 +73,14 @@ def _save(path, config: dict, tensors: dict[str, torch.Tensor], *, fmt: str) -> 
     json.dump(config, f)
   if fmt == "bin":
     torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
+  elif fmt == "bin_sharded":
+    names = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2],
+              "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in shards.items():
+      torch.save({k: tensors[k] for k in keys}, os.path.join(path, file))
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+      json.dump({"weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
   else:
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()},
                                 os.path.join(path, "model.safetensors"))
@@ -254,6 +262,13 @@ def _eagle3_ours(drafter, features, next_tokens, num_drafts):
 
 def _block_ours(drafter, features, next_tokens, gamma):
   """Our block logits [gamma, V] and greedy drafts after committing the context."""
+  logits, tokens = _block_program(drafter, jnp.asarray(features), jnp.asarray(next_tokens), gamma)
+  return np.asarray(logits), np.asarray(tokens).tolist()
+
+
+@nnx.jit(static_argnums=3)
+def _block_program(drafter, features, next_tokens, gamma):
+  """One program per drafter shape: the tests that share a shape compile it once."""
   n = features.shape[0]
   state = _commit(drafter, features, next_tokens)
   x = drafter.block_inputs(state.anchor, gamma)[:, None]
@@ -262,7 +277,7 @@ def _block_ours(drafter, features, next_tokens, gamma):
   h = drafter.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
                          ctx_mask=ctx_mask)[0, 0, 1:]
   _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=gamma, sampling=GREEDY)
-  return np.asarray(drafter.draft_logits(h)), np.asarray(stage.tokens[0]).tolist()
+  return drafter.draft_logits(h), stage.tokens[0]
 
 
 def _flat(drafter):
@@ -279,10 +294,12 @@ def _assert_same_weights(a, b):
 
 
 # ------------------------------------------------------------------ tests
-@pytest.mark.parametrize("variant", ["safetensors", "bin_fp16_layers0", "full_vocab_no_maps"])
+@pytest.mark.parametrize("variant", ["safetensors", "bin_fp16_layers0", "bin_sharded_bf16",
+                                     "full_vocab_no_maps"])
 def test_eagle3_checkpoint_matches_reference_forward(target, tmp_path, variant):
-  kw = dict(safetensors={}, bin_fp16_layers0=dict(fmt="bin", dtype=torch.float16,
-                                                  prefix="layers.0."),
+  kw = dict(safetensors={},
+            bin_fp16_layers0=dict(fmt="bin", dtype=torch.float16, prefix="layers.0."),
+            bin_sharded_bf16=dict(fmt="bin_sharded", dtype=torch.bfloat16),
             full_vocab_no_maps=dict(draft_vocab=V, maps=False))[variant]
   path, w = eagle3_checkpoint(tmp_path / "eagle3", seed=1, **kw)
   drafter = drafter_io.load_drafter(path, target=target)
@@ -361,24 +378,31 @@ def test_eagle3_round_trip_generates_the_same(target, tmp_path):
 
 
 def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
-  drafter = build_drafter({"kind": "block", "num_layers": 2, "taps": [0, 1, 3], "block_size": 4},
-                          target=target, rngs=nnx.Rngs(5))
-  learned = tmp_path / "learned"
-  with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
-    drafter_io.export_drafter(drafter, learned, format="hf")
-  drafter.mask_embed = nnx.Param(target.embed[...][11])  # a token's embedding as the mask
+  source, _ = dflash_checkpoint(tmp_path / "source", block_size=5, mask_token_id=11, seed=4)
+  drafter = drafter_io.load_drafter(source, target=target)
   path = drafter_io.export_drafter(drafter, tmp_path / "hf", format="hf")
   with open(os.path.join(path, "config.json")) as f:
     config = json.load(f)
+  assert config["architectures"] == ["DFlashDraftModel"]
   assert config["dflash_config"]["mask_token_id"] == 11 and config["block_size"] == 5
+  assert config["dflash_config"]["target_layer_ids"] == [0, 1, 3]
+  written = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+  original = safetensors.torch.load_file(os.path.join(source, "model.safetensors"))
+  assert sorted(written) == sorted(original)
+  for k in original:
+    torch.testing.assert_close(written[k], original[k], rtol=0, atol=0, msg=k)
   loaded = drafter_io.load_drafter(path, target=target)
   _assert_same_weights(drafter, loaded)
-  features = _features(4, 5, 3)
-  next_tokens = np.arange(5) + 7
+  features = _features(4, 6, 3)
+  next_tokens = np.arange(6) + 7
   a, b = (_block_ours(d, features, next_tokens, 4) for d in (drafter, loaded))
   np.testing.assert_array_equal(a[0], b[0])
   assert a[1] == b[1]
 
+  # What the DFlash layout cannot hold: a learned mask vector, a reduced vocabulary.
+  learned = build_drafter({"kind": "block", "num_layers": 1}, target=target, rngs=nnx.Rngs(5))
+  with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
+    drafter_io.export_drafter(learned, tmp_path / "learned", format="hf")
   reduced = build_drafter({"kind": "block", "num_layers": 1, "draft_vocab_size": 32},
                           target=target, rngs=nnx.Rngs(0))
   with pytest.raises(CheckpointFormatError, match="reduced vocabulary"):

@@ -90,7 +90,8 @@ def detect_kind(hf: Mapping[str, Any], *, source: str = "config.json") -> str:
         f"{source}: a DFlash variant with projector_type={dflash.get('projector_type')!r},"
         f" shift_label={dflash.get('shift_label')!r} is not supported (only unshifted DFlash"
         " blocks map onto our block drafter).")
-  if DFLASH_ARCHITECTURE in archs or (dflash and not archs):
+  if DFLASH_ARCHITECTURE in archs or dflash or (
+      not archs and "block_size" in hf and "mask_token_id" in hf):
     return "dflash"
   eagle_hints = "draft_vocab_size" in hf or "eagle_config" in hf
   if any(a in EAGLE3_ARCHITECTURES[:2] for a in archs) or (
@@ -105,32 +106,52 @@ def detect_kind(hf: Mapping[str, Any], *, source: str = "config.json") -> str:
 
 
 # ------------------------------------------------------------------ reading
+def _torch_files(path: str) -> list[str]:
+  """pytorch_model.bin, or the shards its index lists."""
+  index_path = os.path.join(path, TORCH_FILE + ".index.json")
+  if not os.path.isfile(index_path):
+    return [os.path.join(path, TORCH_FILE)]
+  try:
+    with open(index_path) as f:
+      names = dict.fromkeys(json.load(f)["weight_map"].values())
+  except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    raise ModelLoadError(f"{index_path!r} is not a valid weight index ({e}).") from e
+  files = [os.path.join(path, n) for n in names]
+  missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+  if missing:
+    raise ModelLoadError(f"Shards listed in {index_path!r} are missing: {missing}.")
+  return files
+
+
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
   """Every tensor of the checkpoint, by name (safetensors first, then pytorch_model.bin)."""
   has_safetensors = (os.path.isfile(os.path.join(path, SAFETENSORS_FILE))
                      or os.path.isfile(os.path.join(path, SAFETENSORS_FILE + ".index.json")))
-  torch_file = os.path.join(path, TORCH_FILE)
-  if has_safetensors or not os.path.isfile(torch_file):
+  has_torch = any(os.path.isfile(os.path.join(path, TORCH_FILE + tail))
+                  for tail in ("", ".index.json"))
+  if has_safetensors or not has_torch:
     files = hf_loader._weight_files(path)  # pylint: disable=protected-access
     return dict(hf_loader._iter_tensors(files))  # pylint: disable=protected-access
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ModelLoadError(
-        f"{torch_file} is a PyTorch pickle and torch is not installed: install torch, or convert"
-        " it to model.safetensors.") from e
-  try:
-    state = torch.load(torch_file, map_location="cpu", weights_only=True)
-  except Exception as e:  # pylint: disable=broad-except
-    raise ModelLoadError(f"Could not read {torch_file} ({type(e).__name__}:"
-                         f" {str(e).splitlines()[0][:300] if str(e) else ''}); it is truncated"
-                         " or corrupt. Re-download it.") from e
-  if not isinstance(state, Mapping):
-    raise ModelLoadError(f"{torch_file} holds a {type(state).__name__}, not a state dict.")
+        f"{path} holds PyTorch pickles ({TORCH_FILE}) and torch is not installed: install torch,"
+        " or convert them to model.safetensors.") from e
   out = {}
-  for name, t in state.items():
-    # numpy has no bfloat16: widen it (exact) before leaving torch.
-    out[name] = (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
+  for file in _torch_files(path):
+    try:
+      # weights_only: tensors and containers only, never arbitrary pickled code.
+      state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # pylint: disable=broad-except
+      first = str(e).splitlines()[0][:300] if str(e) else ""
+      raise ModelLoadError(f"Could not read {file} ({type(e).__name__}: {first}); it is"
+                           " truncated or corrupt. Re-download it.") from e
+    if not isinstance(state, Mapping):
+      raise ModelLoadError(f"{file} holds a {type(state).__name__}, not a state dict.")
+    for name, t in state.items():
+      # numpy has no bfloat16: widen it (exactly) before leaving torch.
+      out[name] = (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
   return out
 
 
