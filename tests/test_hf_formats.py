@@ -434,6 +434,9 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
   edit_config(path, rope_theta=THETA, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})
   with pytest.raises(DrafterMismatchError, match=r"tapped layers \[9\]"):
     load()
+  edit_config(path, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})
+  with pytest.raises(CheckpointFormatError, match="fc.weight reads 3 hidden states"):
+    load()
   edit_config(path, eagle_config=None, architectures=["FancyDraftModel"], draft_vocab_size=None)
   with pytest.raises(CheckpointFormatError, match="FancyDraftModel"):
     load()

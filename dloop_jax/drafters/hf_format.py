@@ -73,7 +73,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 
 
 def detect_kind(hf: Mapping[str, Any], *, source: str = "config.json") -> str:
-  """"eagle3" or "dflash" from a drafter's `config.json`.
+  """The layout ("eagle3" or "dflash") a drafter's `config.json` describes.
 
   Raises:
     CheckpointFormatError: an unknown or unsupported layout.
@@ -208,12 +208,28 @@ def _check_fits(pairs: list[tuple[str, Any, Any]], taps: list[int], target: Tran
         + ". Use a drafter trained for this target.")
 
 
-def _common_pairs(c: TransformerConfig, target: TransformerConfig) -> list[tuple[str, Any, Any]]:
-  return [("hidden_size", c.hidden_size, target.hidden_size),
-          ("vocab_size", c.vocab_size, target.vocab_size),
-          ("rope_theta", c.rope_theta, target.rope_theta),
-          ("rope_scaling", c.rope_scaling, target.rope_scaling),
-          ("rms_norm_eps", c.rms_norm_eps, target.rms_norm_eps)]
+def _common_pairs(hf: Mapping[str, Any], c: TransformerConfig,
+                  target: TransformerConfig) -> list[tuple[str, Any, Any]]:
+  """(field, checkpoint, target) pairs that must agree for every layout."""
+  pairs = [("hidden_size", c.hidden_size, target.hidden_size),
+           ("vocab_size", c.vocab_size, target.vocab_size),
+           ("rope_theta", c.rope_theta, target.rope_theta),
+           ("rope_scaling", c.rope_scaling, target.rope_scaling),
+           ("rms_norm_eps", c.rms_norm_eps, target.rms_norm_eps)]
+  # Our own exports also record the target's depth, which the layouts do not.
+  mine = dict((hf.get(META_KEY) or {}).get("target_fingerprint") or {})
+  if "num_layers" in mine:
+    pairs.append(("target num_layers", mine["num_layers"], target.num_layers))
+  return pairs
+
+
+def _check_fc(tensors: Mapping[str, np.ndarray], taps: list[int], d: int, *, source: str) -> None:
+  """fc must read one hidden state per tap: say so rather than report a bare shape."""
+  fc = tensors.get("fc.weight")
+  if fc is not None and fc.ndim == 2 and fc.shape[0] == d and fc.shape[1] != len(taps) * d:
+    raise CheckpointFormatError(
+        f"{source}: fc.weight reads {fc.shape[1] / d:g} hidden states of width {d}, but the"
+        f" config's taps are {taps} ({len(taps)}); set the tapped layer ids in config.json.")
 
 
 def _attention(t: _Tensors, prefix: str, c: TransformerConfig, in_dim: int) -> dict[str, np.ndarray]:
@@ -245,7 +261,7 @@ def _read_eagle3(hf, tensors, target, *, source):
   eagle = dict(hf.get("eagle_config") or {})
   taps = [int(x) for x in eagle.get("eagle_aux_hidden_state_layer_ids")
           or default_taps(tc.num_layers)]
-  _check_fits(_common_pairs(c, tc) + [
+  _check_fits(_common_pairs(hf, c, tc) + [
       ("target_hidden_size", int(hf.get("target_hidden_size") or d), tc.hidden_size)],
               taps, tc, source=source)
   if not 0 < vd <= v:
@@ -253,6 +269,7 @@ def _read_eagle3(hf, tensors, target, *, source):
 
   # vLLM renames `midlayer.` to `layers.0.`; some exports nest under `model.`.
   tensors = {k.removeprefix("model."): x for k, x in tensors.items()}
+  _check_fc(tensors, taps, d, source=source)
   prefix = "layers.0." if any(k.startswith("layers.0.") for k in tensors) else "midlayer."
   t = _Tensors(tensors, source=source)
   params = _attention(t, prefix, c, 2 * d)
@@ -316,10 +333,11 @@ def _read_dflash(hf, tensors, target, *, source):
   if "fc.weight" not in tensors:
     raise ModelLoadError(f"Tensor 'fc.weight' is missing from {source}: the checkpoint is"
                          " incomplete or corrupt.")
-  num_taps = tensors["fc.weight"].shape[-1] // d if d else 0
+  num_taps = max(tensors["fc.weight"].shape[-1] // d, 1)
   taps = [int(x) for x in dflash.get("target_layer_ids")
           or _dflash_default_taps(num_taps, tc.num_layers)]
-  pairs = _common_pairs(c, tc)
+  _check_fc(tensors, taps, d, source=source)
+  pairs = _common_pairs(hf, c, tc)
   if "num_target_layers" in hf:
     pairs.append(("num_target_layers", int(hf["num_target_layers"]), tc.num_layers))
   _check_fits(pairs, taps, tc, source=source)
@@ -387,7 +405,6 @@ def load_hf_drafter(path: str | os.PathLike, *, target: Any,
   if embed is not None:
     # The checkpoint ships its own (frozen) embedding: use it, not the target's.
     drafter.embed = Frozen(jnp.asarray(embed, dtype))
-  drafter.name = os.path.basename(path)
   drafter.check_target(target.config)
   return drafter
 
@@ -398,11 +415,10 @@ def _np(x: Any, dtype: Any | None) -> np.ndarray:
   return a if dtype is None or not np.issubdtype(a.dtype, np.floating) else a.astype(dtype)
 
 
-def _split_layer(w: Mapping[str, np.ndarray], prefix: str, spec, d: int) -> dict[str, np.ndarray]:
+def _split_layer(w: Mapping[str, np.ndarray], prefix: str, spec) -> dict[str, np.ndarray]:
   """Our fused [in, out] layer weights -> PyTorch [out, in] tensors under `prefix`."""
   q, kv, f = spec.q_size, spec.kv_size, spec.intermediate_size
   a, m = prefix + "self_attn.", prefix + "mlp."
-  del d
   return {
       a + "q_proj.weight": w["wqkv"][:, :q].T,
       a + "k_proj.weight": w["wqkv"][:, q:q + kv].T,
@@ -438,7 +454,7 @@ def _eagle3_layout(drafter, dtype) -> tuple[dict[str, Any], dict[str, np.ndarray
   w = {k: _np(getattr(drafter, k)[...], dtype)
        for k in ("wqkv", "wo", "w_gate_up", "w_down", "fc", "input_norm", "hidden_norm",
                  "mlp_norm", "final_norm", "lm_head")}
-  tensors = _split_layer(w, "midlayer.", s, tc.hidden_size)
+  tensors = _split_layer(w, "midlayer.", s)
   tensors.update({
       "fc.weight": w["fc"].T,
       "midlayer.input_layernorm.weight": w["input_norm"],
@@ -482,7 +498,7 @@ def _dflash_layout(drafter, dtype) -> tuple[dict[str, Any], dict[str, np.ndarray
              "norm.weight": w["final_norm"]}
   for i in range(s.num_layers):
     p = f"layers.{i}."
-    tensors.update(_split_layer({k: x[i] for k, x in w.items()}, p, s, tc.hidden_size))
+    tensors.update(_split_layer({k: x[i] for k, x in w.items()}, p, s))
     tensors.update({p + "input_layernorm.weight": w["attn_norm"][i],
                     p + "post_attention_layernorm.weight": w["mlp_norm"][i],
                     p + "self_attn.q_norm.weight": w["q_norm"][i],
