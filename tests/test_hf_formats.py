@@ -480,6 +480,10 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
                                                           "shift_label": True})
   with pytest.raises(CheckpointFormatError, match="shift_label"):
     drafter_io.load_drafter(dpath, target=target)
+  edit_config(dpath, dflash_config={"mask_token_id": 63, "target_layer_ids": [0, 1, 3],
+                                    "input_embedding_scale": 8.0})
+  with pytest.raises(CheckpointFormatError, match="input_embedding_scale"):
+    drafter_io.load_drafter(dpath, target=target)
 
 
 def _save_target_hf(target, path) -> str:

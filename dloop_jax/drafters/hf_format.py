@@ -62,7 +62,9 @@ _UNSUPPORTED = {
     "DominoDraftModel": "Domino drafts with shifted labels and a GRU prefix head",
     "Qwen3DSparkModel": "DSpark drafts with shifted labels and Markov / confidence heads",
     "Qwen3Eagle3Model": "DeepSpec's EAGLE-3 has q/k norms, 5 taps and its own embedding layout",
+    "DFlash2DraftModel": "DFlash-2 adds dynamic convolutions and a candidate selector",
 }
+_DFLASH_BLOCK_DEFAULT = 16  # z-lab's default when config.json has no block_size
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -317,14 +319,39 @@ def _dflash_default_taps(num_taps: int, num_layers: int) -> list[int]:
           for i in range(num_taps)]
 
 
+def _check_dflash_options(hf: Mapping[str, Any], dflash: Mapping[str, Any], *,
+                          source: str) -> None:
+  """Refuses DFlash options our block drafter has no equivalent of (by name and value)."""
+  def value(name, default=None):
+    return dflash.get(name, hf.get(name, default))
+
+  sliding = [t for t in (hf.get("layer_types") or []) if t != "full_attention"]
+  unsupported = {
+      "is_causal": value("is_causal") not in (None, False) and value("is_causal"),
+      "layer_types": sliding and sorted(set(sliding)),
+      "input_embedding_scale": float(value("input_embedding_scale", 1.0)) != 1.0
+                               and value("input_embedding_scale"),
+      "output_multiplier": float(value("output_multiplier", 1.0)) != 1.0
+                           and value("output_multiplier"),
+      "final_logit_softcapping": float(value("final_logit_softcapping") or 0) > 0
+                                 and value("final_logit_softcapping"),
+  }
+  bad = {k: v for k, v in unsupported.items() if v}
+  if bad:
+    raise CheckpointFormatError(
+        f"{source}: DFlash options {bad} are not supported (our block drafter attends"
+        " bidirectionally over full context, feeds unscaled embeddings and leaves the target's"
+        " logits as they are).")
+
+
 def _read_dflash(hf, tensors, target, *, source):
   """(drafter config, params, model_state, None) of a DFlash checkpoint."""
   c = _layer_config(hf, "qwen3", source=source)
   tc = target.config
   d, nl = c.hidden_size, c.num_layers
   dflash = dict(hf.get("dflash_config") or {})
-  block = dflash.get("block_size", hf.get("block_size"))
-  if block is None or int(block) < 2:
+  block = dflash.get("block_size", hf.get("block_size", _DFLASH_BLOCK_DEFAULT))
+  if int(block) < 2:
     raise CheckpointFormatError(f"{source}: DFlash config needs block_size >= 2 (the anchor and"
                                 f" at least one mask), got {block!r}.")
   mask_id = dflash.get("mask_token_id", hf.get("mask_token_id"))
@@ -346,6 +373,7 @@ def _read_dflash(hf, tensors, target, *, source):
                                 f" vocabulary [0, {tc.vocab_size}).")
   if hf.get("attention_bias") or hf.get("mlp_bias"):
     raise CheckpointFormatError(f"{source}: DFlash layers with biases are not supported.")
+  _check_dflash_options(hf, dflash, source=source)
 
   t = _Tensors(tensors, source=source)
   per_layer = []
