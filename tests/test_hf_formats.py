@@ -473,7 +473,8 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
 
   dpath, _ = dflash_checkpoint(tmp_path / "d", taps=(0, 1, 3))
   edit_config(dpath, num_target_layers=36)
-  with pytest.raises(DrafterMismatchError, match="num_target_layers: checkpoint has 36, target has 4"):
+  with pytest.raises(DrafterMismatchError,
+                     match="num_target_layers: checkpoint has 36, target has 4"):
     drafter_io.load_drafter(dpath, target=target)
   edit_config(dpath, num_target_layers=L, dflash_config={"mask_token_id": 63,
                                                           "target_layer_ids": [0, 1, 3],
@@ -492,7 +493,8 @@ def _save_target_hf(target, path) -> str:
 
   c = target.config
   params = target.flat_params()
-  tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"],
+  tensors = {"model.embed_tokens.weight": params["embed"],
+             "model.norm.weight": params["final_norm"],
              "lm_head.weight": params["lm_head"].T}
   roles = {v: k for k, v in hf_loader._LAYER_PARAMS.items()}  # pylint: disable=protected-access
   for role, (name, columns) in hf_loader.layer_slots(c).items():
@@ -559,14 +561,14 @@ def test_shipped_eagle3_drafter_round_trips_through_the_hf_layout(tmp_path):
   initialising 30 layers, takes 10 s).
   """
   from dloop_jax.models.config import tiny_config  # pylint: disable=g-import-not-at-top
-  from dloop_jax.models.transformer import Transformer, param_shapes  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models import transformer  # pylint: disable=g-import-not-at-top
 
   config = tiny_config(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
                        num_kv_heads=3, head_dim=64, intermediate_size=64, name="smollm2-135m")
   rng = np.random.default_rng(0)
-  real = Transformer.from_params(config, {
+  real = transformer.Transformer.from_params(config, {
       k: rng.normal(size=shape).astype(np.float32) if k == "embed" else np.zeros(shape, np.float32)
-      for k, shape in param_shapes(config).items()})
+      for k, shape in transformer.param_shapes(config).items()})
   name = "smollm2-135m-instruct-eagle3"
   drafter = drafter_io.load_drafter(name, target=real)
   path = drafter_io.export_drafter(drafter, tmp_path / "hf", target_name="smollm2-135m-instruct",

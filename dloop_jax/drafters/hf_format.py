@@ -234,7 +234,8 @@ def _check_fc(tensors: Mapping[str, np.ndarray], taps: list[int], d: int, *, sou
         f" config's taps are {taps} ({len(taps)}); set the tapped layer ids in config.json.")
 
 
-def _attention(t: _Tensors, prefix: str, c: TransformerConfig, in_dim: int) -> dict[str, np.ndarray]:
+def _attention(t: _Tensors, prefix: str, c: TransformerConfig,
+               in_dim: int) -> dict[str, np.ndarray]:
   """q/k/v/o and MLP of one layer, in our fused [in, out] layout."""
   q, kv, d, f = c.q_size, c.kv_size, c.hidden_size, c.intermediate_size
   a, m = prefix + "self_attn.", prefix + "mlp."

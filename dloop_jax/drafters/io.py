@@ -101,7 +101,8 @@ def drafter_config_of(drafter: nnx.Module) -> dict[str, Any]:
 
 def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name: str = "",
                    metrics: Mapping[str, Any] | None = None,
-                   extra: Mapping[str, Any] | None = None, format: str = "dloop") -> str:  # pylint: disable=redefined-builtin
+                   extra: Mapping[str, Any] | None = None,
+                   format: str = "dloop") -> str:  # pylint: disable=redefined-builtin
   """Writes `drafter` (weights + config + its target's identity) to `path`.
 
   Every process must call it (the array write is collective); only process 0
