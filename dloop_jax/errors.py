@@ -19,3 +19,7 @@ class PromptTooLongError(DLoopError, ValueError):
 
 class DrafterMismatchError(DLoopError, ValueError):
   """A drafter was built for another target model."""
+
+
+class CheckpointFormatError(DLoopError, ValueError):
+  """A drafter checkpoint's layout is unknown, or holds what our drafters cannot represent."""

@@ -3,6 +3,7 @@
     python -m infer --prompt "What is 2 + 2?"
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
+    python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
 """
 
@@ -30,8 +31,9 @@ def _parse(argv):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--mode", choices=("ar", "sd", "dloop"), default=None,
                  help="default: dloop when a drafter is available for the target, else ar")
-  p.add_argument("--drafter", help="drafter name or exported drafter directory (default: the"
-                                    " best drafter shipped for the target)")
+  p.add_argument("--drafter", help="drafter name, exported drafter directory, or an EAGLE-3 /"
+                                    " DFlash checkpoint directory in its Hugging Face layout"
+                                    " (default: the best drafter shipped for the target)")
   p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
   p.add_argument("--max-stages", type=int, default=3, help="S_max: stages per verification")
@@ -54,6 +56,34 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
+def _read_prompts(path: str) -> list[str]:
+  """The "prompt" field of every non-blank line of a JSONL file.
+
+  Raises:
+    DLoopError: a line is not a JSON object with a string "prompt" (names the
+      file and the 1-based line number).
+  """
+  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+
+  prompts = []
+  with open(path) as f:
+    for number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DLoopError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno});"
+                         ' each line must be an object like {"prompt": "..."}.') from e
+      if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        got = (f"keys {sorted(record)}" if isinstance(record, dict)
+               else f"a JSON {type(record).__name__}")
+        raise DLoopError(f'{path}, line {number}: expected an object with a string "prompt"'
+                         f" field, got {got}.")
+      prompts.append(record["prompt"])
+  return prompts
+
+
 def main(argv=None) -> int:
   args = _parse(argv)
   from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
@@ -65,13 +95,13 @@ def main(argv=None) -> int:
 
   try:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    target = load_target(args.target, weights=args.weights)
-    tok = target.tokenizer
+    # Prompts first: a bad file fails before the target loads.
     if args.prompts_file:
-      with open(args.prompts_file) as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+      prompts = _read_prompts(args.prompts_file)
     else:
       prompts = [args.prompt or "What is the capital of France?"]
+    target = load_target(args.target, weights=args.weights)
+    tok = target.tokenizer
     drafter = None
     if args.mode != "ar":
       from dloop_jax.drafters import io as drafter_io

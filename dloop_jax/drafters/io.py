@@ -16,6 +16,10 @@ directory holding it holds a complete export.
 
 Names (not paths) resolve to drafters shipped in the package, under
 `dloop_jax/drafters/weights/<name>/`.
+
+Directories in the public Hugging Face layouts of EAGLE-3 and DFlash drafters
+(config.json + safetensors) load too, and `export_drafter(..., format="hf")`
+writes them (`hf_format.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ INFO_FILE = "drafter.json"
 ARRAYS_DIR = "arrays"
 STORAGE_DTYPE = jnp.bfloat16
 WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
+FORMATS = ("dloop", "hf")
 
 
 def _frozen_type() -> type | None:
@@ -96,7 +101,8 @@ def drafter_config_of(drafter: nnx.Module) -> dict[str, Any]:
 
 def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name: str = "",
                    metrics: Mapping[str, Any] | None = None,
-                   extra: Mapping[str, Any] | None = None) -> str:
+                   extra: Mapping[str, Any] | None = None,
+                   format: str = "dloop") -> str:  # pylint: disable=redefined-builtin
   """Writes `drafter` (weights + config + its target's identity) to `path`.
 
   Every process must call it (the array write is collective); only process 0
@@ -109,10 +115,18 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
       fingerprint decides compatibility).
     metrics: final training metrics to record.
     extra: more JSON-serializable provenance (step, run config, ...).
+    format: "dloop" (this module's layout) or "hf" (the public EAGLE-3 /
+      DFlash layout: config.json + model.safetensors, for SGLang / vLLM;
+      metrics and extra are not written there).
 
   Returns:
     The export directory.
   """
+  if format not in FORMATS:
+    raise ConfigError(f"Unknown drafter export format {format!r}; expected one of {FORMATS}.")
+  if format == "hf":
+    from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
+    return hf_format.export_hf(drafter, path, target_name=target_name)
   path = os.path.abspath(os.fspath(path))
   _, params, _, _, model_state = split_drafter(drafter)
   flat_params = {k: jnp.asarray(v).astype(STORAGE_DTYPE) if _is_float(v) else v
@@ -190,8 +204,9 @@ def resolve(name_or_path: str | os.PathLike) -> str:
       return os.path.abspath(candidate)
   if os.path.isdir(p):
     raise ModelLoadError(
-        f"{p} holds no drafter export ({INFO_FILE} missing). Point to an export directory"
-        " (written by `python -m train` under <workdir>/export) or a training workdir.")
+        f"{p} holds no drafter export ({INFO_FILE} missing) and no Hugging Face drafter"
+        " (config.json missing). Point to an export directory (written by `python -m train`"
+        " under <workdir>/export), a training workdir, or an EAGLE-3 / DFlash checkpoint.")
   names = shipped_drafters()
   raise ModelLoadError(
       f"No drafter {p!r}: not a directory, and not a shipped drafter"
@@ -279,6 +294,20 @@ def assign(state: nnx.State, values: Mapping[str, Any], *, dtype: Any, what: str
   return _with_values(state, cast)
 
 
+def build_for_loading(config: Mapping[str, Any], *, target: Any,
+                      rngs: nnx.Rngs | None = None) -> nnx.Module:
+  """The drafter `config` describes, built for `target` (its weights about to be overwritten)."""
+  from dloop_jax.drafters import build_drafter  # local: registry imports every drafter
+  from dloop_jax.training import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+
+  # Drafters may annotate weights with logical axes; flax then needs a mesh in
+  # scope to create them. One device here: callers shard the loaded drafter.
+  mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  with sharding_lib.mesh_context(mesh, sharding_lib.DEFAULT_RULES):
+    return build_drafter(dict(config), target=target,
+                         rngs=rngs if rngs is not None else nnx.Rngs(0))
+
+
 def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
                  rngs: nnx.Rngs | None = None) -> nnx.Module:
   """Rebuilds an exported drafter for `target` and loads its weights.
@@ -293,21 +322,17 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
   Raises:
     ModelLoadError: missing, incomplete or corrupt export.
     DrafterMismatchError: it was trained for another target.
+    CheckpointFormatError: a Hugging Face layout our drafters cannot represent.
   """
-  from dloop_jax.drafters import build_drafter  # local: registry imports every drafter
+  from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
 
+  if hf_format.is_hf_dir(name_or_path):
+    return hf_format.load_hf_drafter(name_or_path, target=target, rngs=rngs)
   path = resolve(name_or_path)
   info = read_info(path)
   check_target(info, target.config, source=path)
   params_values, model_values = read_arrays(path, info)
-  from dloop_jax.training import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-
-  # Drafters may annotate weights with logical axes; flax then needs a mesh in
-  # scope to create them. One device here: callers shard the loaded drafter.
-  mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  with sharding_lib.mesh_context(mesh, sharding_lib.DEFAULT_RULES):
-    drafter = build_drafter(dict(info["drafter_config"]), target=target,
-                            rngs=rngs if rngs is not None else nnx.Rngs(0))
+  drafter = build_for_loading(info["drafter_config"], target=target, rngs=rngs)
   _, params, _, _, model_state = split_drafter(drafter)
   dtype = getattr(target, "dtype", jnp.float32)
   nnx.update(drafter, assign(params, params_values, dtype=dtype, what="Weights", source=path))

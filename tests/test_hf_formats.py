@@ -1,0 +1,593 @@
+"""Public drafter checkpoints (EAGLE-3, DFlash Hugging Face layouts): read, write, check.
+
+Checkpoints are written here in the reference layouts with torch, and their
+forward is re-implemented here in PyTorch from the reference description
+(`[out, in]` weights, HF RoPE, offsets in d2t), independently of our code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from flax import nnx
+
+from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.drafters import build_drafter
+from dloop_jax.drafters import hf_format
+from dloop_jax.drafters import io as drafter_io
+from dloop_jax.errors import (CheckpointFormatError, ConfigError, DrafterMismatchError,
+                              ModelLoadError)
+from dloop_jax.models.config import tiny_target
+
+torch.set_num_threads(2)
+
+# The tiny target: 4 layers, D 32, vocab 64, RoPE theta 10000, eps 1e-5. The
+# checkpoints use their own attention shape (2 heads / 1 kv head of 16, MLP 48).
+V, D, L = 64, 32, 4
+HEADS, KV, HD, FF = 2, 1, 16, 48
+EPS, THETA = 1e-5, 10000.0
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def target():
+  return tiny_target(seed=3, num_layers=L)
+
+
+# ------------------------------------------------------------ checkpoints
+def _layer_tensors(gen, prefix: str, in_dim: int, *, qk_norm: bool) -> dict[str, torch.Tensor]:
+  def w(*shape):
+    return 0.2 * torch.randn(*shape, generator=gen)
+
+  def norm(n):
+    return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+  out = {
+      prefix + "self_attn.q_proj.weight": w(HEADS * HD, in_dim),
+      prefix + "self_attn.k_proj.weight": w(KV * HD, in_dim),
+      prefix + "self_attn.v_proj.weight": w(KV * HD, in_dim),
+      prefix + "self_attn.o_proj.weight": w(D, HEADS * HD),
+      prefix + "mlp.gate_proj.weight": w(FF, D),
+      prefix + "mlp.up_proj.weight": w(FF, D),
+      prefix + "mlp.down_proj.weight": w(D, FF),
+      prefix + "input_layernorm.weight": norm(D),
+      prefix + "post_attention_layernorm.weight": norm(D),
+  }
+  if qk_norm:
+    out[prefix + "self_attn.q_norm.weight"] = norm(HD)
+    out[prefix + "self_attn.k_norm.weight"] = norm(HD)
+  return out
+
+
+def _save(path, config: dict, tensors: dict[str, torch.Tensor], *, fmt: str) -> str:
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  if fmt == "bin":
+    torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
+  elif fmt == "bin_sharded":
+    names = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2],
+              "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in shards.items():
+      torch.save({k: tensors[k] for k in keys}, os.path.join(path, file))
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+      json.dump({"weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
+  else:
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()},
+                                os.path.join(path, "model.safetensors"))
+  return str(path)
+
+
+def eagle3_checkpoint(path, *, draft_vocab: int = 48, prefix: str = "midlayer.",
+                      fmt: str = "safetensors", maps: bool = True, taps=(0, 2, 3),
+                      dtype=torch.float32, seed: int = 0, **config_overrides):
+  """Writes an EAGLE-3 drafter as SpecForge / SafeAILab do; returns (dir, f32 tensors)."""
+  gen = torch.Generator().manual_seed(seed)
+  tensors = _layer_tensors(gen, prefix, 2 * D, qk_norm=False)
+  tensors[prefix + "hidden_norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=gen)
+  tensors["fc.weight"] = 0.2 * torch.randn(D, len(taps) * D, generator=gen)
+  tensors["norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=gen)
+  tensors["lm_head.weight"] = 0.3 * torch.randn(draft_vocab, D, generator=gen)
+  tensors = {k: v.to(dtype) for k, v in tensors.items()}
+  if maps:
+    used = np.sort(np.random.default_rng(seed).choice(V, draft_vocab, replace=False))
+    tensors["d2t"] = torch.as_tensor(used - np.arange(draft_vocab), dtype=torch.int64)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.as_tensor(used)] = True
+    tensors["t2d"] = t2d
+  config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=D,
+                intermediate_size=FF, num_attention_heads=HEADS, num_key_value_heads=KV,
+                head_dim=HD, num_hidden_layers=1, vocab_size=V, draft_vocab_size=draft_vocab,
+                rms_norm_eps=EPS, max_position_embeddings=256, hidden_act="silu",
+                eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps)})
+  config.update(config_overrides)  # rope_theta absent: the reference default, 10000
+  _save(path, config, tensors, fmt=fmt)
+  return str(path), {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def dflash_checkpoint(path, *, layers: int = 2, block_size: int = 5, mask_token_id: int = 63,
+                      taps=(0, 1, 3), seed: int = 0, **config_overrides):
+  """Writes a DFlash drafter as z-lab does; returns (dir, tensors)."""
+  gen = torch.Generator().manual_seed(seed)
+  tensors = {}
+  for i in range(layers):
+    tensors.update(_layer_tensors(gen, f"layers.{i}.", D, qk_norm=True))
+  tensors["fc.weight"] = 0.2 * torch.randn(D, len(taps) * D, generator=gen)
+  tensors["hidden_norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=gen)
+  tensors["norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=gen)
+  config = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=D,
+                intermediate_size=FF, num_attention_heads=HEADS, num_key_value_heads=KV,
+                head_dim=HD, num_hidden_layers=layers, vocab_size=V, rms_norm_eps=EPS,
+                rope_theta=THETA, max_position_embeddings=256, block_size=block_size,
+                num_target_layers=L,
+                dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(taps)})
+  config.update(config_overrides)
+  return _save(path, config, tensors, fmt="safetensors"), tensors
+
+
+# ------------------------------------------------- reference forward (torch)
+def _rms(x, w):
+  return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+
+
+def _rope(x, positions):
+  """HF rotate-half RoPE: x [T, n, hd] at integer positions [T]."""
+  inv = 1.0 / (THETA ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
+  angles = torch.as_tensor(positions, dtype=torch.float64)[:, None] * inv[None]
+  emb = torch.cat([angles, angles], -1)
+  cos, sin = emb.cos().float()[:, None], emb.sin().float()[:, None]
+  x1, x2 = x[..., :HD // 2], x[..., HD // 2:]
+  return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _attend(q, k, v, mask):
+  """q [Tq, n, hd] over k, v [Tk, kv, hd] (kv heads repeated as HF's repeat_kv), mask [Tq, Tk]."""
+  k = k.repeat_interleave(HEADS // KV, dim=1)
+  v = v.repeat_interleave(HEADS // KV, dim=1)
+  s = torch.einsum("qnh,knh->nqk", q, k) / HD ** 0.5
+  s = s.masked_fill(~mask[None], float("-inf"))
+  return torch.einsum("nqk,knh->qnh", s.softmax(-1), v).reshape(q.shape[0], HEADS * HD)
+
+
+def _mlp(x, w, p):
+  return F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"]))
+                  * F.linear(x, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
+
+
+class Eagle3Reference:
+  """EAGLE-3's forward: [input_layernorm(emb) ; hidden_norm(h)] -> one Llama layer."""
+
+  def __init__(self, w, embed, prefix="midlayer."):
+    self.w, self.embed, self.p = w, torch.as_tensor(np.array(embed)), prefix
+    self.k, self.v, self.pos = [], [], []
+
+  def layer(self, h, tokens, positions):
+    w, p = self.w, self.p
+    x = torch.cat([_rms(self.embed[tokens], w[p + "input_layernorm.weight"]),
+                   _rms(h, w[p + "hidden_norm.weight"])], -1)
+    t = x.shape[0]
+    q = _rope(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(t, HEADS, HD), positions)
+    self.k.append(_rope(F.linear(x, w[p + "self_attn.k_proj.weight"]).view(t, KV, HD), positions))
+    self.v.append(F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, KV, HD))
+    self.pos += list(positions)
+    mask = torch.as_tensor(positions)[:, None] >= torch.as_tensor(self.pos)[None]
+    h = h + F.linear(_attend(q, torch.cat(self.k), torch.cat(self.v), mask),
+                     w[p + "self_attn.o_proj.weight"])
+    return h + _mlp(_rms(h, w[p + "post_attention_layernorm.weight"]), w, p)
+
+  def logits(self, h):
+    return F.linear(_rms(h, self.w["norm.weight"]), self.w["lm_head.weight"])
+
+  def run(self, features, next_tokens, num_drafts):
+    """Logits at every committed pair [T, Vd], then greedy drafts (target ids) and logprobs."""
+    t = features.shape[0]
+    h = F.linear(torch.as_tensor(features).reshape(t, -1), self.w["fc.weight"])
+    out = self.layer(h, torch.as_tensor(next_tokens), list(range(t)))
+    all_logits = self.logits(out)
+    hid, drafts, logprobs = out[-1:], [], []
+    d2t = self.w.get("d2t")
+    for i in range(num_drafts):
+      lg = self.logits(hid)[0]
+      d = int(lg.argmax())
+      tid = d + int(d2t[d]) if d2t is not None else d
+      drafts.append(tid)
+      logprobs.append(float(lg.log_softmax(-1)[d]))
+      hid = self.layer(hid, torch.tensor([tid]), [t + i])
+    return all_logits.numpy(), drafts, np.array(logprobs)
+
+
+def dflash_reference(w, *, embed, head, features, anchor, block_size, mask_token_id, layers):
+  """DFlash's block forward over target context at positions < n: logits [B - 1, V]."""
+  embed = torch.as_tensor(np.array(embed))
+  n = features.shape[0]
+  ctx = _rms(F.linear(torch.as_tensor(features).reshape(n, -1), w["fc.weight"]),
+             w["hidden_norm.weight"])
+  h = embed[torch.tensor([anchor] + [mask_token_id] * (block_size - 1))]
+  pos_q = list(range(n, n + block_size))
+  pos_k = list(range(n + block_size))
+  full = torch.ones(block_size, n + block_size, dtype=torch.bool)
+  for i in range(layers):
+    p = f"layers.{i}."
+    x = _rms(h, w[p + "input_layernorm.weight"])
+    kv_in = torch.cat([ctx, x])  # the context skips input_layernorm
+    q = _rms(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(block_size, HEADS, HD),
+             w[p + "self_attn.q_norm.weight"])
+    k = _rms(F.linear(kv_in, w[p + "self_attn.k_proj.weight"]).view(-1, KV, HD),
+             w[p + "self_attn.k_norm.weight"])
+    v = F.linear(kv_in, w[p + "self_attn.v_proj.weight"]).view(-1, KV, HD)
+    h = h + F.linear(_attend(_rope(q, pos_q), _rope(k, pos_k), v, full),
+                     w[p + "self_attn.o_proj.weight"])
+    h = h + _mlp(_rms(h, w[p + "post_attention_layernorm.weight"]), w, p)
+  out = _rms(h, w["norm.weight"])
+  return (out[1:] @ torch.as_tensor(np.array(head))).numpy()
+
+
+# ----------------------------------------------------------- our forwards
+def _features(seed, n, n_taps):
+  return np.random.default_rng(seed).normal(size=(n, n_taps, D)).astype(np.float32)
+
+
+def _commit(drafter, features, next_tokens, capacity=24):
+  n = features.shape[0]
+  state = drafter.init_state(batch_size=1, capacity=capacity)
+  return drafter.commit(state, tokens=jnp.zeros((1, n), jnp.int32),
+                        features=jnp.asarray(features)[None],
+                        next_tokens=jnp.asarray(next_tokens, jnp.int32)[None],
+                        starts=jnp.zeros((1,), jnp.int32), counts=jnp.full((1,), n, jnp.int32))
+
+
+def _eagle3_ours(drafter, features, next_tokens, num_drafts):
+  """Our logits at every pair but the last (training-time test step 0), the last, and drafts."""
+  n = features.shape[0]
+  tokens = jnp.asarray(np.concatenate([[0], next_tokens]), jnp.int32)[None, :n]
+  hid = drafter.ttt_hiddens(tokens=tokens, features=jnp.asarray(features)[None],
+                            positions=jnp.arange(n)[None], segment_ids=jnp.ones((1, n), jnp.int32),
+                            num_steps=1)[0, 0, :n - 1]
+  state = _commit(drafter, features, next_tokens)
+  logits = np.concatenate([np.asarray(drafter.draft_logits(hid)),
+                           np.asarray(drafter.draft_logits(state.hidden))])
+  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=num_drafts,
+                                 sampling=GREEDY)
+  return logits, np.asarray(stage.tokens[0]).tolist(), np.asarray(stage.logprobs[0])
+
+
+def _block_ours(drafter, features, next_tokens, gamma):
+  """Our block logits [gamma, V] and greedy drafts after committing the context."""
+  logits, tokens = _block_program(drafter, jnp.asarray(features), jnp.asarray(next_tokens), gamma)
+  return np.asarray(logits), np.asarray(tokens).tolist()
+
+
+@nnx.jit(static_argnums=3)
+def _block_program(drafter, features, next_tokens, gamma):
+  """One program per drafter shape: the tests that share a shape compile it once."""
+  n = features.shape[0]
+  state = _commit(drafter, features, next_tokens)
+  x = drafter.block_inputs(state.anchor, gamma)[:, None]
+  positions = (n + jnp.arange(gamma + 1))[None, None]
+  ctx_mask = (jnp.arange(state.k.shape[2]) < n)[None, None]
+  h = drafter.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
+                         ctx_mask=ctx_mask)[0, 0, 1:]
+  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=gamma, sampling=GREEDY)
+  return drafter.draft_logits(h), stage.tokens[0]
+
+
+def _flat(drafter):
+  _, params, _, _, state = drafter_io.split_drafter(drafter)
+  return {**{k: np.asarray(v) for k, v in drafter_io._flat(params).items()},
+          **{k: np.asarray(v) for k, v in drafter_io._flat(state).items()}}
+
+
+def _assert_same_weights(a, b):
+  fa, fb = _flat(a), _flat(b)
+  assert sorted(fa) == sorted(fb)
+  for k in fa:
+    np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("variant", ["safetensors", "bin_fp16_layers0", "bin_sharded_bf16",
+                                     "full_vocab_no_maps"])
+def test_eagle3_checkpoint_matches_reference_forward(target, tmp_path, variant):
+  kw = dict(safetensors={},
+            bin_fp16_layers0=dict(fmt="bin", dtype=torch.float16, prefix="layers.0."),
+            bin_sharded_bf16=dict(fmt="bin_sharded", dtype=torch.bfloat16),
+            full_vocab_no_maps=dict(draft_vocab=V, maps=False))[variant]
+  path, w = eagle3_checkpoint(tmp_path / "eagle3", seed=1, **kw)
+  drafter = drafter_io.load_drafter(path, target=target)
+  assert drafter.taps == (0, 2, 3) and drafter.spec.kind == "eagle3"
+  assert drafter.reduced_vocab == (variant != "full_vocab_no_maps")
+  features = _features(0, 7, 3)
+  next_tokens = np.random.default_rng(1).integers(0, V, 7)
+  ref = Eagle3Reference(w, target.embed[...], prefix=kw.get("prefix", "midlayer."))
+  want_logits, want_drafts, want_lp = ref.run(features, next_tokens, 4)
+  logits, drafts, lp = _eagle3_ours(drafter, features, next_tokens, 4)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  assert drafts == want_drafts
+  np.testing.assert_allclose(lp, want_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_default_taps_and_own_embedding(target, tmp_path):
+  """No eagle_config: `default_taps` ({1, L//2 - 1, L - 4}, clipped: (0, 1) here); a shipped
+  embed_tokens replaces the target's."""
+  path, w = eagle3_checkpoint(tmp_path / "e", taps=(0, 1), eagle_config=None)
+  embed = np.random.default_rng(5).normal(size=(V, D)).astype(np.float32)
+  tensors = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+  tensors["embed_tokens.weight"] = torch.as_tensor(embed)
+  safetensors.torch.save_file(tensors, os.path.join(path, "model.safetensors"))
+  drafter = drafter_io.load_drafter(path, target=target)
+  assert drafter.taps == (0, 1)
+  np.testing.assert_array_equal(np.asarray(drafter.embed[...]), embed)
+  features = _features(2, 5, 2)
+  next_tokens = np.arange(5) + 3
+  want = Eagle3Reference(w, embed).run(features, next_tokens, 2)
+  got = _eagle3_ours(drafter, features, next_tokens, 2)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  assert got[1] == want[1]
+
+
+def test_dflash_checkpoint_matches_reference_forward(target, tmp_path):
+  path, w = dflash_checkpoint(tmp_path / "dflash", block_size=5, mask_token_id=63)
+  drafter = drafter_io.load_drafter(path, target=target)
+  assert drafter.spec.kind == "block" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
+  np.testing.assert_array_equal(np.asarray(drafter.mask_embed[...]),
+                                np.asarray(target.embed[...][63]))
+  features = _features(3, 6, 3)
+  next_tokens = np.random.default_rng(2).integers(0, V, 6)
+  want = dflash_reference(w, embed=target.embed[...], head=target.lm_head[...],
+                          features=features, anchor=int(next_tokens[-1]), block_size=5,
+                          mask_token_id=63, layers=2)
+  logits, drafts = _block_ours(drafter, features, next_tokens, 4)
+  np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+  assert drafts == want.argmax(-1).tolist()
+
+
+def test_eagle3_round_trip_generates_the_same(target, tmp_path):
+  drafter = build_drafter({"kind": "eagle3", "draft_vocab_size": 40, "taps": [0, 1, 3]},
+                          target=target, rngs=nnx.Rngs(4))
+  drafter.set_draft_vocab(np.sort(np.random.default_rng(0).choice(V, 40, replace=False)),
+                          target=target)
+  path = drafter_io.export_drafter(drafter, tmp_path / "hf", target_name="tiny", format="hf")
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+  assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+  tensors = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+  d2t = np.asarray(drafter.d2t[...])
+  np.testing.assert_array_equal(tensors["d2t"].numpy() + np.arange(40), d2t)  # offsets
+  assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+  assert int(tensors["t2d"].sum()) == 40 and tensors["midlayer.self_attn.q_proj.weight"].shape == (
+      drafter.spec.q_size, 2 * D)
+  loaded = drafter_io.load_drafter(path, target=target)
+  _assert_same_weights(drafter, loaded)
+  assert loaded.spec == drafter.spec
+  prompts = [[1, 5, 9, 2], [3, 4]]
+  outs = [generate(target, prompts, max_new_tokens=12, mode="dloop", drafter=d, gate=float("-inf"),
+                   max_stages=2, schedule="off") for d in (drafter, loaded)]
+  assert outs[0].tokens == outs[1].tokens
+  assert outs[0].total.accepted == outs[1].total.accepted
+  assert outs[0].total.drafted == outs[1].total.drafted
+
+
+def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
+  source, _ = dflash_checkpoint(tmp_path / "source", block_size=5, mask_token_id=11, seed=4)
+  drafter = drafter_io.load_drafter(source, target=target)
+  path = drafter_io.export_drafter(drafter, tmp_path / "hf", format="hf")
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  assert config["architectures"] == ["DFlashDraftModel"]
+  assert config["dflash_config"]["mask_token_id"] == 11 and config["block_size"] == 5
+  assert config["dflash_config"]["target_layer_ids"] == [0, 1, 3]
+  written = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+  original = safetensors.torch.load_file(os.path.join(source, "model.safetensors"))
+  assert sorted(written) == sorted(original)
+  for k in original:
+    torch.testing.assert_close(written[k], original[k], rtol=0, atol=0, msg=k)
+  loaded = drafter_io.load_drafter(path, target=target)
+  _assert_same_weights(drafter, loaded)
+  features = _features(4, 6, 3)
+  next_tokens = np.arange(6) + 7
+  a, b = (_block_ours(d, features, next_tokens, 4) for d in (drafter, loaded))
+  np.testing.assert_array_equal(a[0], b[0])
+  assert a[1] == b[1]
+
+  # What the DFlash layout cannot hold: a learned mask vector, a reduced vocabulary.
+  learned = build_drafter({"kind": "block", "num_layers": 1}, target=target, rngs=nnx.Rngs(5))
+  with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
+    drafter_io.export_drafter(learned, tmp_path / "learned", format="hf")
+  reduced = build_drafter({"kind": "block", "num_layers": 1, "draft_vocab_size": 32},
+                          target=target, rngs=nnx.Rngs(0))
+  with pytest.raises(CheckpointFormatError, match="reduced vocabulary"):
+    drafter_io.export_drafter(reduced, tmp_path / "r", format="hf")
+  with pytest.raises(ConfigError, match="format"):
+    drafter_io.export_drafter(reduced, tmp_path / "r", format="gguf")
+
+
+def test_mismatched_and_broken_checkpoints(target, tmp_path):
+  def edit_config(path, **changes):
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+      config = json.load(f)
+    config.update(changes)
+    with open(cfg_path, "w") as f:
+      json.dump(config, f)
+
+  path, _ = eagle3_checkpoint(tmp_path / "a")
+  load = lambda: drafter_io.load_drafter(path, target=target)  # noqa: E731
+  edit_config(path, hidden_size=48)
+  with pytest.raises(DrafterMismatchError, match="hidden_size: checkpoint has 48, target has 32"):
+    load()
+  edit_config(path, hidden_size=D, vocab_size=128)
+  with pytest.raises(DrafterMismatchError, match="vocab_size: checkpoint has 128, target has 64"):
+    load()
+  edit_config(path, vocab_size=V, rope_theta=500000.0)
+  with pytest.raises(DrafterMismatchError, match="rope_theta"):
+    load()
+  edit_config(path, rope_theta=THETA, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})
+  with pytest.raises(DrafterMismatchError, match=r"tapped layers \[9\]"):
+    load()
+  edit_config(path, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})
+  with pytest.raises(CheckpointFormatError, match="fc.weight reads 3 hidden states"):
+    load()
+  edit_config(path, eagle_config=None, architectures=["FancyDraftModel"], draft_vocab_size=None)
+  with pytest.raises(CheckpointFormatError, match="FancyDraftModel"):
+    load()
+  edit_config(path, architectures=["DominoDraftModel"])
+  with pytest.raises(CheckpointFormatError, match="shifted labels"):
+    load()
+
+  # Tensors: missing, misshapen, unexpected, and a truncated file.
+  def rewrite(**changes):
+    path2, w = eagle3_checkpoint(tmp_path / "b", taps=(0, 1, 3))
+    w = {**w, **changes}
+    safetensors.torch.save_file({k: v for k, v in w.items() if v is not None},
+                                os.path.join(path2, "model.safetensors"))
+    return path2
+
+  with pytest.raises(ModelLoadError, match="'fc.weight' is missing"):
+    drafter_io.load_drafter(rewrite(**{"fc.weight": None}), target=target)
+  with pytest.raises(ModelLoadError, match=r"'lm_head.weight' .* has shape \(48, 16\)"):
+    drafter_io.load_drafter(rewrite(**{"lm_head.weight": torch.zeros(48, 16)}), target=target)
+  with pytest.raises(ModelLoadError, match="'d2t'"):
+    drafter_io.load_drafter(rewrite(d2t=None, t2d=None), target=target)
+  with pytest.raises(CheckpointFormatError, match="o_proj.bias"):
+    drafter_io.load_drafter(rewrite(**{"midlayer.self_attn.o_proj.bias": torch.zeros(D)}),
+                            target=target)
+  broken = rewrite()
+  file = os.path.join(broken, "model.safetensors")
+  with open(file, "r+b") as f:
+    f.truncate(os.path.getsize(file) // 2)
+  with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+    drafter_io.load_drafter(broken, target=target)
+  os.remove(file)
+  with pytest.raises(ModelLoadError, match="no model.safetensors"):
+    drafter_io.load_drafter(broken, target=target)
+
+  dpath, _ = dflash_checkpoint(tmp_path / "d", taps=(0, 1, 3))
+  edit_config(dpath, num_target_layers=36)
+  with pytest.raises(DrafterMismatchError,
+                     match="num_target_layers: checkpoint has 36, target has 4"):
+    drafter_io.load_drafter(dpath, target=target)
+  edit_config(dpath, num_target_layers=L, dflash_config={"mask_token_id": 63,
+                                                          "target_layer_ids": [0, 1, 3],
+                                                          "shift_label": True})
+  with pytest.raises(CheckpointFormatError, match="shift_label"):
+    drafter_io.load_drafter(dpath, target=target)
+  edit_config(dpath, dflash_config={"mask_token_id": 63, "target_layer_ids": [0, 1, 3],
+                                    "input_embedding_scale": 8.0})
+  with pytest.raises(CheckpointFormatError, match="input_embedding_scale"):
+    drafter_io.load_drafter(dpath, target=target)
+
+
+def _save_target_hf(target, path) -> str:
+  """Our tiny target as a Hugging Face Llama directory (the inverse of `hf_loader`)."""
+  from dloop_jax.models import hf_loader  # pylint: disable=g-import-not-at-top
+
+  c = target.config
+  params = target.flat_params()
+  tensors = {"model.embed_tokens.weight": params["embed"],
+             "model.norm.weight": params["final_norm"],
+             "lm_head.weight": params["lm_head"].T}
+  roles = {v: k for k, v in hf_loader._LAYER_PARAMS.items()}  # pylint: disable=protected-access
+  for role, (name, columns) in hf_loader.layer_slots(c).items():
+    if name not in params:
+      continue
+    for i in range(c.num_layers):
+      w = params[name][i] if columns is None else params[name][i][..., columns]
+      tensors[f"model.layers.{i}.{roles[role]}"] = w.T if w.ndim == 2 else w
+  config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False)
+  return _save(path, config, {k: torch.as_tensor(np.array(v)) for k, v in tensors.items()},
+               fmt="safetensors")
+
+
+def test_export_cli_converts_both_ways(target, tmp_path):
+  """`python -m train.export`: HF layout -> ours -> HF layout, for a target in a directory."""
+  from train import export as export_cli  # pylint: disable=g-import-not-at-top
+
+  target_dir = _save_target_hf(target, tmp_path / "target")
+  source, _ = eagle3_checkpoint(tmp_path / "source")
+  ours, again = str(tmp_path / "ours"), str(tmp_path / "again")
+  assert export_cli.main(["--drafter", source, "--target", target_dir, "--out", ours]) == 0
+  assert os.path.isfile(os.path.join(ours, "drafter.json"))
+  assert export_cli.main(["--drafter", ours, "--target", target_dir, "--out", again,
+                          "--format", "hf"]) == 0
+  assert hf_format.is_hf_dir(again)
+  # Our format stores bfloat16; the HF file written from it holds those values exactly.
+  _assert_same_weights(drafter_io.load_drafter(ours, target=target),
+                       drafter_io.load_drafter(again, target=target))
+  # A checkpoint for another target: exit code 2 with the mismatch, no traceback.
+  other, _ = eagle3_checkpoint(tmp_path / "other", taps=(0, 1, 7))
+  assert export_cli.main(["--drafter", other, "--target", target_dir, "--out",
+                          str(tmp_path / "x")]) == 2
+
+
+def test_infer_prompts_file_errors_name_the_line(tmp_path, capsys):
+  from infer.__main__ import main as infer_main
+
+  bad_json = tmp_path / "bad.jsonl"
+  bad_json.write_text('{"prompt": "hi"}\n\n{"prompt": "x",\n')
+  assert infer_main(["--prompts-file", str(bad_json), "--mode", "ar"]) == 2
+  err = capsys.readouterr().err
+  assert f"{bad_json}, line 3: not valid JSON" in err and "Traceback" not in err
+  no_prompt = tmp_path / "no_prompt.jsonl"
+  no_prompt.write_text('{"prompt": "hi"}\n{"text": "hello"}\n')
+  assert infer_main(["--prompts-file", str(no_prompt), "--mode", "ar"]) == 2
+  err = capsys.readouterr().err
+  assert f'{no_prompt}, line 2: expected an object with a string "prompt"' in err
+  assert "['text']" in err
+  missing = tmp_path / "missing.jsonl"
+  assert infer_main(["--prompts-file", str(missing), "--mode", "ar"]) == 2
+  assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_shipped_eagle3_drafter_round_trips_through_the_hf_layout(tmp_path):
+  """The shipped SmolLM2 EAGLE-3 drafter, written for SGLang / vLLM and read back: same drafts.
+
+  The target only lends its (frozen) embedding here, which neither layout stores: a target with
+  the real one's fingerprint and random embedding stands in for it (loading the real one, or
+  initialising 30 layers, takes 10 s).
+  """
+  from dloop_jax.models.config import tiny_config  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models import transformer  # pylint: disable=g-import-not-at-top
+
+  config = tiny_config(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                       num_kv_heads=3, head_dim=64, intermediate_size=64, name="smollm2-135m")
+  rng = np.random.default_rng(0)
+  real = transformer.Transformer.from_params(config, {
+      k: rng.normal(size=shape).astype(np.float32) if k == "embed" else np.zeros(shape, np.float32)
+      for k, shape in transformer.param_shapes(config).items()})
+  name = "smollm2-135m-instruct-eagle3"
+  drafter = drafter_io.load_drafter(name, target=real)
+  path = drafter_io.export_drafter(drafter, tmp_path / "hf", target_name="smollm2-135m-instruct",
+                                   format="hf")
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  assert config["draft_vocab_size"] == 8192 and config["vocab_size"] == 49152
+  loaded = drafter_io.load_drafter(path, target=real)
+  _assert_same_weights(drafter, loaded)
+  # One drafting stage on the same features: the same drafts, bit for bit.
+  features = np.random.default_rng(0).normal(size=(6, 3, 576)).astype(np.float32)
+  next_tokens = np.array([1, 504, 28, 3391, 17, 2])
+  stages = [_stage(d, features, next_tokens) for d in (drafter, loaded)]
+  np.testing.assert_array_equal(stages[0][0], stages[1][0])
+  np.testing.assert_array_equal(stages[0][1], stages[1][1])
+
+
+def _stage(drafter, features, next_tokens):
+  state = _commit(drafter, features, next_tokens, capacity=features.shape[0] + 8)
+  _, stage = nnx.jit(lambda d, s: d.draft_stage(s, key=jax.random.key(0), block_size=4,
+                                                sampling=GREEDY))(drafter, state)
+  return np.asarray(stage.tokens), np.asarray(stage.logprobs)
