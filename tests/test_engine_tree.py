@@ -14,6 +14,9 @@ test_engine_sampling.py).
 from __future__ import annotations
 
 import math
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -21,11 +24,13 @@ import pytest
 from flax import nnx
 
 import drafter_fixtures
+import model_fixtures
 from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.decoding.sampling import processed_probs
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
 from lossless import assert_same_or_near_tie
-from reference import chi_square_pvalue, exact_distribution
+from reference import chi_square_pvalue
 
 GAMMA = 3
 MAX_NEW = 2 * GAMMA * 3 + 2  # the limit falls inside an accepted path
@@ -108,9 +113,10 @@ def test_block_drafter_tree_stage_seeds_like_greedy_stage(tiny, block_drafter):
   state = d.commit(state, tokens=tokens, features=features, next_tokens=tokens + 1,
                    starts=jax.numpy.zeros((2,), jax.numpy.int32),
                    counts=jax.numpy.asarray([5, 3]))
-  greedy_state, greedy = jax.jit(lambda s: d.draft_stage(s, key=jax.random.key(1), block_size=4,
-                                                         sampling=SamplingConfig()))(state)
-  tree_state, stage = jax.jit(lambda s: d.draft_tree_stage(s, block_size=4))(state)
+  both = jax.jit(lambda s: (d.draft_stage(s, key=jax.random.key(1), block_size=4,
+                                          sampling=SamplingConfig()),
+                            d.draft_tree_stage(s, block_size=4)))
+  (greedy_state, greedy), (tree_state, stage) = both(state)
   best = np.asarray(stage.vocab)[np.asarray(stage.logprobs).argmax(-1)]
   np.testing.assert_array_equal(best, greedy.tokens)
   np.testing.assert_allclose(np.asarray(stage.logprobs).max(-1), greedy.logprobs, atol=1e-5)
@@ -129,19 +135,44 @@ def test_block_drafter_greedy_lossless(tiny, block_drafter):
       _check_lossless(tiny, prompts, ar, out)
 
 
-N = 8_000
+N = 6_000
 PROMPT = [3, 14, 15]
 SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
 
 
+def _exact_distribution(target, prompt, sampling, depth=3):
+  """`reference.exact_distribution` with jitted forwards (one program per length)."""
+  @jax.jit
+  def probs(tokens):
+    b, t = tokens.shape
+    cache = target.init_cache(batch_size=b, capacity=t)
+    positions = jax.numpy.broadcast_to(jax.numpy.arange(t)[None], (b, t))
+    return processed_probs(target(tokens, positions=positions, cache=cache).logits[:, -1],
+                           sampling)
+
+  dist = {(): 1.0}
+  for _ in range(depth):
+    seqs = list(dist)
+    rows = np.asarray(probs(jax.numpy.asarray([prompt + list(q) for q in seqs], jax.numpy.int32)),
+                      np.float64)
+    dist = {q + (int(tok),): dist[q] * row[tok]
+            for q, row in zip(seqs, rows) for tok in np.nonzero(row > 0)[0]}
+  return dist
+
+
 def test_sampling_first_three_tokens_match_target(tiny):
   """DDTree's rule (walk on the target's own samples) draws from the target distribution."""
-  exact = exact_distribution(tiny, PROMPT, SAMPLING)
+  exact = _exact_distribution(tiny, PROMPT, SAMPLING)
+  np.testing.assert_allclose(sum(exact.values()), 1.0, rtol=1e-5)
   drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=5)
   out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode="dloop", drafter=drafter,
                  block_size=2, max_stages=2, gate=-math.inf, tree_budget=4, sampling=SAMPLING, seed=11)
-  pvalue, stat = chi_square_pvalue([tuple(t) for t in out.tokens], exact)
+  samples = [tuple(t) for t in out.tokens]
+  pvalue, stat = chi_square_pvalue(samples, exact)
   assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e}"
+  # Power: the same samples fail against a modestly shifted distribution.
+  shifted = _exact_distribution(tiny, PROMPT, SamplingConfig(temperature=0.85, top_k=4))
+  assert chi_square_pvalue(samples, shifted)[0] < 1e-6
   t = out.total
   # The trees were used: two stages (the second grown from the first's best path).
   assert t.accepted > 0.2 * N and t.stage_histogram[2] == t.rounds
@@ -167,3 +198,17 @@ def test_drafter_without_trees(tiny):
   with pytest.raises(ConfigError, match="does not yet"):
     generate(tiny, [[1, 2]], max_new_tokens=4, mode="sd", drafter=eagle, block_size=3,
              tree_budget=4)
+
+
+def test_cli_tree_budget_error(tmp_path):
+  """`python -m infer --tree-budget` reaches generate(): a one-line error, no traceback."""
+  model = model_fixtures.tiny_hf_model("llama_tied")
+  gguf = model_fixtures.write_gguf(model, str(tmp_path / "tiny.gguf"))
+  proc = subprocess.run(
+      [sys.executable, "-m", "infer", "--target", gguf, "--mode", "ar", "--tree-budget", "4",
+       "--max-new-tokens", "2"], cwd=pathlib.Path(__file__).resolve().parents[1],
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert "Traceback" not in proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "needs mode 'sd' or 'dloop'" in last, proc.stderr

@@ -14,6 +14,11 @@ import pytest
 
 from dloop_jax.decoding import tree as tree_lib
 
+# Jitted: one small program per shape instead of one per operation.
+_build = jax.jit(tree_lib.build, static_argnames="budget")
+_mask = jax.jit(tree_lib.ancestor_mask, static_argnames="max_depth")
+_walk = jax.jit(tree_lib.walk, static_argnames="max_depth")
+
 
 def _logprobs(rng, rows, gamma, vocab):
   return np.asarray(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(rows, gamma, vocab)) * 2.0)))
@@ -49,7 +54,7 @@ def _brute_force(lp, budget):
 def test_top_b_matches_brute_force_and_is_prefix_closed(gamma, vocab, budget):
   rng = np.random.default_rng(gamma * 100 + vocab * 10 + budget)
   lp = _logprobs(rng, 3, gamma, vocab)
-  tree, best_end = jax.device_get(tree_lib.build(jnp.asarray(lp), budget=budget))
+  tree, best_end = jax.device_get(_build(jnp.asarray(lp), budget=budget))
   for row in range(3):
     want = _brute_force(lp[row], budget)
     prefixes = _prefixes(tree, row)
@@ -76,7 +81,7 @@ def test_top_b_matches_brute_force_and_is_prefix_closed(gamma, vocab, budget):
 
 def test_padding_when_fewer_prefixes_than_budget():
   lp = _logprobs(np.random.default_rng(0), 1, 2, 2)  # 2 + 4 = 6 prefixes
-  tree, _ = jax.device_get(tree_lib.build(jnp.asarray(lp), budget=8))
+  tree, _ = jax.device_get(_build(jnp.asarray(lp), budget=8))
   assert tree.valid.sum() == 6 and not tree.valid[0, 6:].any()
   assert (tree.parents[0, 6:] == tree_lib.NO_PARENT).all() and (tree.depths[0, 6:] == 0).all()
 
@@ -91,7 +96,7 @@ def test_keep_best_path(budget):
   lp = np.asarray(jax.nn.log_softmax(jnp.asarray(lp)))
   keep = np.array([True, False, True, False])
   tree, best_end = jax.device_get(
-      tree_lib.build(jnp.asarray(lp), budget=budget, keep_best_path=jnp.asarray(keep)))
+      _build(jnp.asarray(lp), budget=budget, keep_best_path=jnp.asarray(keep)))
   for row in range(4):
     prefixes = _prefixes(tree, row)
     best = tuple(int(t) for t in lp[row].argmax(-1))
@@ -118,7 +123,7 @@ def _example():
 
 
 def test_ancestor_mask_and_positions():
-  mask = np.asarray(tree_lib.ancestor_mask(_example(), max_depth=2))[0].astype(int)
+  mask = np.asarray(_mask(_example(), max_depth=2))[0].astype(int)
   np.testing.assert_array_equal(mask, [
       # root a  c  b  d  pad
       [1, 0, 0, 0, 0, 0],  # root
@@ -141,8 +146,7 @@ def test_ancestor_mask_and_positions():
 ])
 def test_walk(chosen, k, tokens):
   tree = _example()
-  w = tree_lib.walk(tree, chosen=jnp.asarray([chosen]),
-                    mask=tree_lib.ancestor_mask(tree, max_depth=2), max_depth=2)
+  w = _walk(tree, chosen=jnp.asarray([chosen]), mask=_mask(tree, max_depth=2), max_depth=2)
   assert int(w.num_accepted[0]) == k
   np.testing.assert_array_equal(w.new_tokens[0], tokens)
   want_path = {8: [0, 1, 4], 7: [0, 1, 3], 6: [0, 2, 0]}
@@ -154,12 +158,11 @@ def test_walk_matches_sequential_walk_on_random_trees():
   rng = np.random.default_rng(7)
   gamma, vocab, budget = 4, 3, 10
   lp = _logprobs(rng, 64, gamma, vocab)
-  tree = tree_lib.build(jnp.asarray(lp), budget=budget)[0]
+  tree = _build(jnp.asarray(lp), budget=budget)[0]
   # Target tokens that often follow the tree: the argmax of perturbed draft scores.
   chosen = rng.integers(0, vocab, size=(64, 1 + budget))
-  w = jax.device_get(tree_lib.walk(tree, chosen=jnp.asarray(chosen),
-                                   mask=tree_lib.ancestor_mask(tree, max_depth=gamma),
-                                   max_depth=gamma))
+  w = jax.device_get(_walk(tree, chosen=jnp.asarray(chosen), mask=_mask(tree, max_depth=gamma),
+                           max_depth=gamma))
   tree = jax.device_get(tree)
   for row in range(64):
     node, path = -1, []

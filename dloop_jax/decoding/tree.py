@@ -184,13 +184,14 @@ def ancestor_mask(tree: Tree, *, max_depth: int) -> jax.Array:
   """
   r, n = tree.tokens.shape
   up = jnp.concatenate([jnp.zeros((r, 1), jnp.int32), tree.parents + 1], axis=1)  # [R, 1 + N]
-  # step[i, j]: j is the parent of i (the root has none).
-  step = jax.nn.one_hot(up, n + 1, dtype=jnp.int32).at[:, 0, :].set(0)
-  reach = jnp.broadcast_to(jnp.eye(n + 1, dtype=jnp.int32), (r, n + 1, n + 1))
-  hop = reach
-  for _ in range(max_depth):
-    hop = jnp.minimum(jnp.einsum("rij,rjk->rik", step, hop), 1)
-    reach = reach | hop
+  # reach[i, j]: j is i or its parent (the root has none). Squaring doubles the
+  # hops covered: ceil(log2(max_depth)) products reach every ancestor.
+  reach = jax.nn.one_hot(up, n + 1, dtype=jnp.float32).at[:, 0, :].set(0)
+  reach = jnp.maximum(reach, jnp.eye(n + 1, dtype=jnp.float32))
+  hops = 1
+  while hops < max_depth:
+    reach = jnp.minimum(jnp.einsum("rij,rjk->rik", reach, reach), 1.0)
+    hops *= 2
   return reach > 0
 
 
