@@ -23,6 +23,10 @@ minimum over the batch):
     accept:    k_b <= v_b drafts, plus the bonus token; roll the caches back to
                n + 1 + k_b by setting lengths.
 
+With `tree_budget=B > 0` a round drafts, verifies and accepts a draft tree
+instead (`decoding.tree_round`: top-B prefixes per stage, one forward over the
+whole tree, the walk, compaction of the accepted path).
+
 A Python-side cache keyed by every static choice (model structure, shapes,
 mode, gamma, S_max, schedule, sampling, stop tokens) holds the compiled
 executables, so a second call with the same shapes runs without tracing or
