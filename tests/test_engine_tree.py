@@ -98,6 +98,22 @@ def test_greedy_lossless(tiny, drafters, mode, budget, batch):
     assert out.total.plain_rounds > 0
 
 
+def test_stop_token_inside_an_accepted_path(tiny, drafters):
+  """A stop token on the accepted path is committed and ends the row there."""
+  rng = np.random.default_rng(7)
+  prompts = _prompts(rng, 3)
+  free = generate(tiny, prompts, max_new_tokens=MAX_NEW)
+  stop = free.tokens[0][5]
+  for drafter in (drafters["oracle"], drafters["perturbed"]):
+    out = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode="dloop", drafter=drafter,
+                   block_size=GAMMA, max_stages=2, gate=-math.inf, tree_budget=4,
+                   stop_tokens=[stop])
+    for p, row, full in zip(prompts, out.tokens, free.tokens):
+      cut = full.index(stop) + 1 if stop in full else len(full)
+      assert_same_or_near_tie(tiny, p, full[:cut], row)
+      assert len(row) == cut
+
+
 @pytest.fixture(scope="module")
 def block_drafter(tiny):
   return build_drafter({"kind": "block", "block_size": 4, "num_layers": 1,

@@ -146,7 +146,7 @@ def attach(tree: Tree, *, offset: int, parent: jax.Array, depth: jax.Array,
 
   Args:
     tree: a tree from `build`.
-    offset: where its node 0 goes in the combined tree (static).
+    offset: where its node 0 goes in the combined tree (an int or a traced scalar).
     parent: [R] combined index of the node its depth-1 nodes hang from
       (NO_PARENT: the root).
     depth: [R] depth of that node (0 for the root).
