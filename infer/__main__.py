@@ -5,6 +5,7 @@
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
+    python -m infer --mode dloop --drafter PATH --tree-budget 8   # top-8 draft trees per stage
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ def _parse(argv):
                  help="storage of the target's weight matrices (f32: greedy outputs of every"
                       " mode equal; bf16: cheaper multi-token forwards on CPU, see"
                       " docs/benchmarks.md)")
-  p.add_argument("--schedule", choices=("cost", "off"), default="cost",
+  p.add_argument("--schedule", choices=("cost", "off"), default=None,
                  help="cost: verify only the prefix of the drafts expected to pay for its"
                       " verification (per-width cost table of this target on this machine);"
-                      " off: verify every draft")
+                      " off: verify every draft (default: cost for chains, off for trees)")
+  p.add_argument("--tree-budget", type=int, default=0,
+                 help="B > 0: draft a tree of the B best prefixes per stage (DDTree; block"
+                      " drafter) and verify it in one target forward; 0: chains")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest pause (rounds) of drafting after fruitless rounds (default: 8"
                       " with --schedule cost, 0 with off)")
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
                      drafter=drafter, block_size=args.block_size, gate=args.gate,
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
                      stop_tokens=stop, schedule=args.schedule, costs=args.costs,
-                     draft_backoff=args.draft_backoff)
+                     draft_backoff=args.draft_backoff, tree_budget=args.tree_budget)
       new = out.tokens[0]
       answer = tok.decode(new, skip_special_tokens=True)
       row = out.rows[0]
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
                    drafter=getattr(drafter, "name", None),
                    acceptance_length=row.acceptance_length, rounds=row.rounds,
                    stages_per_round=row.stages_per_round,
-                   schedule=args.schedule if mode != "ar" else None, drafted=row.drafted,
+                   schedule=out.schedule, tree_budget=args.tree_budget or None,
+                   drafted=row.drafted,
                    verified=row.verified, plain_rounds=row.plain_rounds)
         print(json.dumps(rec), flush=True)
       else:

@@ -15,7 +15,7 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.decoding import sampling as sampling_lib
-from dloop_jax.drafters.base import Drafter, DraftStage
+from dloop_jax.drafters.base import Drafter, DraftStage, TreeStage
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models.transformer import Transformer
 
@@ -76,6 +76,22 @@ class TargetDrafter(Drafter):
     stage = DraftStage(tokens=tokens.T, logprobs=logprobs.T,
                        probs=None if probs is None else jnp.swapaxes(probs, 0, 1))
     return TargetDrafterState(cache=cache, pending=pending), stage
+
+
+  supports_trees = True
+
+  def draft_tree_stage(self, state, *, block_size):
+    """The greedy chain's distribution at each step stands in for the marginals."""
+    def step(carry, _):
+      cache, pending = carry
+      logits, cache = self._logits(cache, pending)
+      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return (cache, token), jax.nn.log_softmax(logits.astype(jnp.float32))
+
+    (cache, pending), logprobs = jax.lax.scan(step, (state.cache, state.pending), None,
+                                              length=block_size)
+    return (TargetDrafterState(cache=cache, pending=pending),
+            TreeStage(logprobs=jnp.swapaxes(logprobs, 0, 1)))
 
 
 def oracle(target, **kw):

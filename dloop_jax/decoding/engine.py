@@ -23,6 +23,10 @@ minimum over the batch):
     accept:    k_b <= v_b drafts, plus the bonus token; roll the caches back to
                n + 1 + k_b by setting lengths.
 
+With `tree_budget=B > 0` a round drafts, verifies and accepts a draft tree
+instead (`decoding.tree_round`: top-B prefixes per stage, one forward over the
+whole tree, the walk, compaction of the accepted path).
+
 A Python-side cache keyed by every static choice (model structure, shapes,
 mode, gamma, S_max, schedule, sampling, stop tokens) holds the compiled
 executables, so a second call with the same shapes runs without tracing or
@@ -51,6 +55,7 @@ from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
+from dloop_jax.decoding import tree_round
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
 from dloop_jax.errors import ConfigError, PromptTooLongError
@@ -82,6 +87,7 @@ class _Static:
   batch_size: int
   prompt_width: int
   capacity: int
+  tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains (`decoding.tree_round`)
 
   @property
   def draft_width(self) -> int:
@@ -473,10 +479,19 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     return (cond(lp) & ~jnp.any(draft_policy.wants_draft(lp.backoff, active=~lp.done))
             & ~jnp.any(deferred_lib.full(lp.deferred)))
 
+  def tree_spec_round(lp: _Loop) -> _Loop:
+    return tree_round.run_round(
+        lp, target=target, drafter=drafter, mode=s.mode, block_size=gamma,
+        max_stages=s.max_stages, budget=s.tree_budget, sampling=s.sampling,
+        max_new_tokens=s.max_new_tokens, key=key, gate=gate, stop=stop, max_skip=max_skip,
+        commit_counts=_commit_counts)
+
+  spec_round = tree_spec_round if s.tree_budget else speculative_round
+
   def round_then_pauses(lp: _Loop) -> _Loop:
     # A speculative round, then the plain steps of a pause in a loop of their
     # own (none while some active row is due to draft, or once all are done).
-    return jax.lax.while_loop(all_paused, paused_step, speculative_round(lp))
+    return jax.lax.while_loop(all_paused, paused_step, spec_round(lp))
 
   loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else round_then_pauses, loop)
   return loop.out[:, :s.max_new_tokens], loop.num_new, loop.stats, loop.features
@@ -514,9 +529,13 @@ def _is_int(value) -> bool:
 
 
 def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
-              schedule, draft_backoff) -> None:
+              schedule, draft_backoff, tree_budget) -> None:
   if mode not in MODES:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+  if not _is_int(tree_budget) or tree_budget < 0:
+    raise ConfigError(f"tree_budget must be an int >= 0 (0 = chains), got {tree_budget!r}.")
+  if tree_budget and mode == "ar":
+    raise ConfigError("tree_budget > 0 needs mode 'sd' or 'dloop' (and a drafter).")
   if schedule not in schedule_lib.SCHEDULES:
     raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}.")
   if draft_backoff is not None and (not _is_int(draft_backoff) or draft_backoff < 0):
@@ -539,6 +558,24 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
       or math.isnan(float(gate))):
     raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
   drafter.check_target(target.config)
+  _validate_tree(mode=mode, drafter=drafter, block_size=block_size, schedule=schedule,
+                 tree_budget=tree_budget)
+
+
+def _validate_tree(*, mode, drafter, block_size, schedule, tree_budget) -> None:
+  if tree_budget == 0:
+    return
+  if not drafter.supports_trees:
+    raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
+                      f" {drafter.name!r} ({drafter.kind}) does not yet (use the block"
+                      " drafter, or tree_budget=0).")
+  if schedule != "off":
+    raise ConfigError("tree_budget > 0 verifies the whole tree: schedule='cost' is not"
+                      " supported with trees yet (use schedule='off' or leave it unset).")
+  if mode == "dloop" and tree_budget < block_size:
+    raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
+                      f" stage's best path of {block_size} nodes, so tree_budget must be at least"
+                      f" block_size ({block_size}); got {tree_budget}.")
 
 
 def _prepare(
@@ -555,18 +592,21 @@ def _prepare(
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
-    schedule: str = "cost",
+    schedule: str | None = None,
     costs: Any = None,
     draft_backoff: int | None = None,
+    tree_budget: int = 0,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
     block_size = drafter.block_size
   if mode == "sd":
     max_stages = 1
+  if schedule is None:
+    schedule = "off" if (_is_int(tree_budget) and tree_budget > 0) else "cost"
   _validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
             max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
-            schedule=schedule, draft_backoff=draft_backoff)
+            schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget)
   if not isinstance(sampling, sampling_lib.SamplingConfig):
     raise ConfigError("sampling must be a SamplingConfig.")
   if capture_taps and mode != "ar":
@@ -602,7 +642,7 @@ def _prepare(
       max_stages=s_max, schedule=schedule if not is_ar else "off", sampling=sampling, max_new_tokens=int(max_new_tokens),
       stop_tokens=tuple(sorted(set(int(t) for t in stop_tokens))),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
-      prompt_width=tp, capacity=capacity)
+      prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0)
 
   padded = np.zeros((len(prompts), tp), np.int32)
   for i, p in enumerate(prompts):
@@ -641,9 +681,10 @@ def generate(
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
-    schedule: str = "cost",
+    schedule: str | None = None,
     costs: Any = None,
     draft_backoff: int | None = None,
+    tree_budget: int = 0,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -664,7 +705,8 @@ def generate(
     schedule: ("sd" / "dloop") "cost": verify only the prefix of the drafts
       whose expected committed tokens per unit of target time is best (see
       `decoding.schedule`; possibly none: a plain decode step); "off": verify
-      every draft.
+      every draft. None: "cost" for chains, "off" for trees (the only choice
+      with a tree_budget for now).
     costs: with schedule="cost", the target forward's cost per width: a
       `costs.CostTable`, a {width: cost} mapping or a JSON file path. None: the
       file named by $DLOOP_COSTS if set, else this target's table on this
@@ -677,6 +719,9 @@ def generate(
       rounds in a pause are plain decode steps); 0 drafts every round. None:
       `DEFAULT_DRAFT_BACKOFF` with schedule="cost", 0 with "off". A traced
       value: changing it does not recompile.
+    tree_budget: ("sd" / "dloop") B > 0 drafts a tree of the B best prefixes
+      per stage (DDTree) and verifies the whole tree in one target forward
+      (`decoding.tree_round`; drafters with `supports_trees`); 0: chains.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -685,7 +730,7 @@ def generate(
       target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
       stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
-      draft_backoff=draft_backoff)
+      draft_backoff=draft_backoff, tree_budget=tree_budget)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages

@@ -4,7 +4,7 @@
     out = generate(target, prompts, max_new_tokens=64, mode="dloop", drafter=drafter)
 """
 
-from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, VocabMap
+from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, TreeStage, VocabMap
 from dloop_jax.drafters.block import BlockDrafter, BlockState
 from dloop_jax.drafters.eagle3 import Eagle3Drafter, Eagle3State
 from dloop_jax.drafters.registry import build_drafter, default_drafter_config, resolve_config
@@ -12,7 +12,7 @@ from dloop_jax.drafters.spec import KINDS, DrafterSpec
 from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts
 
 __all__ = [
-    "Drafter", "DraftStage", "Frozen", "VocabMap", "BlockDrafter", "BlockState",
+    "Drafter", "DraftStage", "Frozen", "TreeStage", "VocabMap", "BlockDrafter", "BlockState",
     "Eagle3Drafter", "Eagle3State", "build_drafter", "default_drafter_config",
     "resolve_config", "KINDS", "DrafterSpec", "draft_vocab_from_counts", "token_counts",
 ]

@@ -91,6 +91,21 @@ class DraftStage:
   probs: jax.Array | None = None
 
 
+@struct.dataclass
+class TreeStage:
+  """One stage's per-position draft distributions, for a draft tree.
+
+  Attributes:
+    logprobs: [B, gamma, Vd] f32 log-softmax of the drafter's unprocessed
+      (temperature 1) logits at each of the gamma positions.
+    vocab: [Vd] int32 target id of each column, or None when the columns are
+      target ids (Vd = V).
+  """
+
+  logprobs: jax.Array
+  vocab: jax.Array | None = None
+
+
 class Drafter(nnx.Module):
   """Base class of drafters.
 
@@ -159,6 +174,19 @@ class Drafter(nnx.Module):
       next_tokens: [B, W] the committed token following each position.
       starts: [B] first position; the drafter drops what it holds at or after it.
       counts: [B] valid entries per row (0 = row unchanged, e.g. finished).
+    """
+    raise NotImplementedError
+
+  # Whether `draft_tree_stage` is implemented (tree verification, `tree_budget`).
+  supports_trees: bool = False
+
+  def draft_tree_stage(self, state: DrafterState, *,
+                       block_size: int) -> tuple[DrafterState, TreeStage]:
+    """The next `block_size` positions' draft distributions, for a draft tree.
+
+    The state continues along the stage's best path (the argmax token at every
+    position), exactly as after a greedy `draft_stage`: a following stage
+    drafts from that path's end.
     """
     raise NotImplementedError
 

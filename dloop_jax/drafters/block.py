@@ -56,7 +56,7 @@ from flax import struct
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.drafters import layers
 from dloop_jax.drafters import vocab as vocab_lib
-from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, VocabMap
+from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, TreeStage, VocabMap
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
@@ -284,7 +284,8 @@ class BlockDrafter(Drafter):
     return state.replace(lengths=(starts + counts).astype(jnp.int32), anchor=anchor,
                          committed_anchor=anchor)
 
-  def draft_stage(self, state, *, key, block_size, sampling):
+  def _stage_outputs(self, state: BlockState, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """One block forward after everything held: outputs h [B, gamma, D], logits [B, gamma, Vd]."""
     n = state.lengths
     capacity = state.k.shape[2]
     x = self.block_inputs(state.anchor, block_size)[:, None]  # [B, 1, 1 + gamma, D]
@@ -292,7 +293,27 @@ class BlockDrafter(Drafter):
     ctx_mask = (jnp.arange(capacity)[None, :] < n[:, None])[:, None]  # [B, 1, C]
     h = self.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
                         ctx_mask=ctx_mask)[:, 0, 1:]  # [B, gamma, D]
-    logits = self.draft_logits(h, head_rows=state.head_rows)
+    return h, self.draft_logits(h, head_rows=state.head_rows)
+
+  def _advance(self, state: BlockState, h: jax.Array, last_token: jax.Array) -> BlockState:
+    """After a stage: stand-in context at n .. n + gamma - 1, anchor = the stage's last token."""
+    n = state.lengths
+    state = self._write_context(state, self.stand_in(h), n)
+    return state.replace(lengths=n + h.shape[1], anchor=last_token)
+
+  supports_trees = True
+
+  def draft_tree_stage(self, state, *, block_size):
+    # The block's outputs (and so the stand-in context) do not depend on the
+    # tokens drafted: the best path only decides the next anchor.
+    h, logits = self._stage_outputs(state, block_size)
+    best_last = self.to_target_ids(jnp.argmax(logits[:, -1], axis=-1)).astype(jnp.int32)
+    vocab = None if self.d2t is None else self.d2t[...].astype(jnp.int32)
+    return (self._advance(state, h, best_last),
+            TreeStage(logprobs=jax.nn.log_softmax(logits.astype(jnp.float32)), vocab=vocab))
+
+  def draft_stage(self, state, *, key, block_size, sampling):
+    h, logits = self._stage_outputs(state, block_size)
     draft_ids = sampling_lib.next_token(key, logits, sampling)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), draft_ids[..., None],
                                    axis=-1)[..., 0]
@@ -303,8 +324,7 @@ class BlockDrafter(Drafter):
         probs = layers.scatter_to_vocab(probs, self.d2t[...], self.vocab_size)
     tokens = self.to_target_ids(draft_ids).astype(jnp.int32)
     # Stand-in context for the unverified positions n .. n + gamma - 1 (next stage).
-    state = self._write_context(state, self.stand_in(h), n)
-    state = state.replace(lengths=n + block_size, anchor=tokens[:, -1])
+    state = self._advance(state, h, tokens[:, -1])
     return state, DraftStage(tokens=tokens, logprobs=logprobs, probs=probs)
 
   # --------------------------------------------------------------- training
