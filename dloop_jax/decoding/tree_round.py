@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
@@ -187,7 +188,10 @@ def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, m
   starts = lp.cache.lengths
   round_key = jax.random.fold_in(key, lp.round)
   going = draft_policy.wants_draft(lp.backoff, active=active)
-  dstate, drafted = draft(drafter, lp.drafter_state, going=going, gate=gate,
+  # The drafter first reads the tokens of the pause before this round, if any.
+  dstate, deferred, caught_up = deferred_lib.flush(
+      lp.deferred, drafter=drafter, drafter_state=lp.drafter_state, committed_length=starts)
+  dstate, drafted = draft(drafter, dstate, going=going, gate=gate,
                           dloop=mode == "dloop", block_size=block_size, max_stages=max_stages,
                           budget=budget)
   v = verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
@@ -213,13 +217,13 @@ def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, m
       plain_rounds=st.plain_rounds + act * (nodes == 0),
       accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
       drafter_forwards=st.drafter_forwards + act * (
-          drafter.drafting_forwards(block_size, num_stages) + 1),
+          drafter.drafting_forwards(block_size, num_stages) + 1) + caught_up,
       target_tokens=st.target_tokens + act * v.width,
       stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
           num_stages, max_stages + 1, dtype=jnp.int32))
   return lp.replace(
       cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),
-      drafter_state=dstate,
+      drafter_state=dstate, deferred=deferred,
       pending=jnp.where(committed, last, lp.pending),
       out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
       num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
