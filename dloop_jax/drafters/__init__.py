@@ -15,6 +15,7 @@ from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts
 
 __all__ = [
     "Drafter", "DraftStage", "Frozen", "VocabMap", "BlockDrafter", "BlockState",
-    "DSparkDrafter", "DominoDrafter", "DominoState", "Eagle3Drafter", "Eagle3State", "build_drafter", "default_drafter_config",
+    "DSparkDrafter", "DominoDrafter", "DominoState", "Eagle3Drafter", "Eagle3State",
+    "build_drafter", "default_drafter_config",
     "resolve_config", "KINDS", "DrafterSpec", "draft_vocab_from_counts", "token_counts",
 ]

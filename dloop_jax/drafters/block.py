@@ -222,7 +222,7 @@ class BlockDrafter(Drafter):
     return jnp.concatenate([emb[..., None, :], mask], axis=-2)
 
   def stage_inputs(self, anchor: jax.Array, block_size: int) -> jax.Array:
-    """Anchor tokens [...] -> one stage's block inputs [..., Q, D] (the last gamma outputs draft)."""
+    """Anchor tokens [...] -> a stage's block inputs [..., Q, D]; the last gamma outputs draft."""
     return self.block_inputs(anchor, block_size - 1 if self.shifted else block_size)
 
   def run_blocks(self, x: jax.Array, *, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
@@ -340,8 +340,8 @@ class BlockDrafter(Drafter):
 
     Stage s of anchor a reads token x_{a + s*gamma} and masks at positions
     a + s*gamma + 1 .. a + (s+1)*gamma (shifted: .. a + (s+1)*gamma - 1); its
-    drafts predict x_{a + s*gamma + 1} .. x_{a + (s+1)*gamma}. It sees the target context of positions
-    < a in a's segment, and (s >= 1) the stand-in context of its own chain's
+    drafts predict x_{a + s*gamma + 1} .. x_{a + (s+1)*gamma}. It sees the target
+    context of positions < a in a's segment, and (s >= 1) the stand-in context of its own chain's
     earlier stages at positions a .. a + s*gamma - 1, computed from those
     stages' outputs exactly as `draft_stage` does at inference.
 

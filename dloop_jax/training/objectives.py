@@ -255,8 +255,9 @@ def _block_stage_stats(drafter: BlockDrafter, b, anchors, ok, h: jax.Array, *, s
 
 
 def _head_stage_stats(drafter, b, anchors, ok, h: jax.Array, *, stage: int, gamma: int,
-                      cfg: Any = None, progress: jax.Array | None = None, extras: list | None = None):
-  """`_block_stage_stats` for DSpark / Domino (their own objectives); their metrics go to `extras`."""
+                      cfg: Any = None, progress: jax.Array | None = None,
+                      extras: list | None = None):
+  """`_block_stage_stats` for DSpark / Domino (their own objectives); metrics go to `extras`."""
   y = _stage_targets(b, anchors, ok, stage=stage, gamma=gamma)
   common = dict(labels=y["labels"], prev=y["prev"], valid=y["valid"], weights=y["weights"])
   if isinstance(drafter, DSparkDrafter):
