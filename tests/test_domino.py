@@ -83,4 +83,4 @@ def test_config_errors_and_weight_layouts(learnable):
 def test_defaults_for_the_real_target():
   config = draft_training.smollm2_shaped_config()
   d = draft_training.abstract_drafter({"kind": "domino"}, config)
-  assert d.gru_w_hh.shape == (3 * 576, 576) and d.correction_w2.shape == (49152, 256)
+  assert d.gru_w_hh.shape == (3 * 144, 144) and d.correction_w2.shape == (49152, 256)

@@ -15,7 +15,8 @@ A drafter config is a flat dict (or ConfigDict):
                        the hidden size)
     enable_confidence_head
                        dspark: learn per-draft acceptance estimates (default on)
-    gru_hidden_size    domino: prefix GRU width (default: the target's hidden size)
+    gru_hidden_size    domino: prefix GRU width (default: a quarter of the hidden size, as
+                       Domino's 1024 for 4096-wide targets; drafting holds a [V, 3G] table)
     correction_rank    domino: correction MLP width (default 256, at most the hidden size)
 
 dspark and domino draft over the full vocabulary (their heads are [V, r]).
@@ -83,7 +84,7 @@ def default_drafter_config(kind: str, target_config: TransformerConfig) -> dict[
                 markov_rank=rank, enable_confidence_head=True, **common)
   if kind == "domino":
     return dict(kind="domino", block_size=8, num_layers=layers, draft_vocab_size=0, qk_norm=True,
-                gru_hidden_size=c.hidden_size, correction_rank=rank, **common)
+                gru_hidden_size=max(1, c.hidden_size // 4), correction_rank=rank, **common)
   raise ConfigError(f"Unknown drafter kind {kind!r}; expected one of {KINDS}.")
 
 
