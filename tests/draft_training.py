@@ -74,10 +74,11 @@ def _train_step(graphdef, objective: str, cfg_items: tuple, tx_id: int):
   tx = _TX[tx_id]
 
   @jax.jit
-  def step(params, rest, opt_state, batch, key):
+  def step(params, rest, opt_state, batch, key, progress):
     def loss_of(p):
       drafter = nnx.merge(graphdef, p, rest)
-      return objectives.loss_fn(drafter, batch, key, objective=objective, cfg=cfg)
+      return objectives.loss_fn(drafter, batch, key, objective=objective, cfg=cfg,
+                                progress=progress)
 
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -91,7 +92,10 @@ _TX: dict[int, optax.GradientTransformation] = {}
 
 def train(drafter, batches: list[dict[str, np.ndarray]], *, objective: str, cfg: dict,
           steps: int, learning_rate: float = 3e-3, seed: int = 0) -> list[dict[str, float]]:
-  """Adam on `drafter`'s nnx.Params in place; returns the metrics of every step."""
+  """Adam on `drafter`'s nnx.Params in place; returns the metrics of every step.
+
+  The loss sees the fraction of training done as `progress` (Domino's curriculum).
+  """
   graphdef, params, rest = split(drafter)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
   tx_id = len(_TX)
@@ -103,7 +107,7 @@ def train(drafter, batches: list[dict[str, np.ndarray]], *, objective: str, cfg:
   key = jax.random.key(seed)
   for i in range(steps):
     params, opt_state, metrics = step(params, rest, opt_state, device_batches[i % len(batches)],
-                                      jax.random.fold_in(key, i))
+                                      jax.random.fold_in(key, i), jnp.float32(i / steps))
     history.append(metrics)
   nnx.update(drafter, params)
   return [{k: float(v) for k, v in m.items()} for m in jax.device_get(history)]

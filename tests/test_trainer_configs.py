@@ -19,13 +19,14 @@ def test_config_validates(name, monkeypatch):
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)  # loop configs import their base
   config = trainer_hooks.load_config_file(name)
   config_lib.validate(config)
-  assert config.drafter.kind in ("eagle3", "block")
+  assert config.drafter.kind in ("eagle3", "block", "dspark", "domino")
   if name.endswith("_loop.py"):
     assert config.objective == "loop_aware"
 
 
 @pytest.mark.parametrize("name,loop_name", [
     ("tiny_eagle3.py", "tiny_eagle3.py:loop"), ("tiny_block.py", "tiny_block.py:loop"),
+    ("tiny_dspark.py", "tiny_dspark.py:loop"), ("tiny_domino.py", "tiny_domino.py:loop"),
     ("smollm2_eagle3.py", "smollm2_eagle3_loop.py"), ("smollm2_block.py", "smollm2_block_loop.py")])
 def test_loop_recipe_keeps_the_drafter(name, loop_name, monkeypatch):
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)

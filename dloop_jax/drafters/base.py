@@ -84,11 +84,15 @@ class DraftStage:
       its unprocessed (temperature 1) distribution: the gate's score.
     probs: [B, gamma, V] f32 processed draft distribution over the target
       vocabulary the tokens were sampled from (sampling only, else None).
+    confidence: [B, gamma] f32 in (0, 1): the drafter's own estimate that each
+      draft is accepted given the earlier ones are (a learned confidence head,
+      DSpark), usable as the scheduler's c_k; None for drafters without one.
   """
 
   tokens: jax.Array
   logprobs: jax.Array
   probs: jax.Array | None = None
+  confidence: jax.Array | None = None
 
 
 @struct.dataclass

@@ -98,6 +98,14 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class BlockDrafter(Drafter):
   """N decoder layers drafting [anchor, mask x gamma] against cached target context."""
 
+  # The block convention. False (z-lab DFlash): the block is [anchor, M x gamma]
+  # and output j predicts its own position, so the anchor's output is no draft.
+  # True (DSpark, Domino): the block is [anchor, M x (gamma - 1)] and output j
+  # predicts position j + 1, so all gamma outputs are drafts. Either way the
+  # last gamma outputs are the drafts, and the one predicting x_{j+1} sits at
+  # position j, which is where its stand-in context goes.
+  shifted = False
+
   def __init__(self, spec: DrafterSpec, *, target: Transformer, rngs: nnx.Rngs):
     c = target.config
     d, dtype, nl = c.hidden_size, target.dtype, spec.num_layers
@@ -213,6 +221,10 @@ class BlockDrafter(Drafter):
     mask = jnp.broadcast_to(self.mask_embed[...], anchor.shape + (block_size, emb.shape[-1]))
     return jnp.concatenate([emb[..., None, :], mask], axis=-2)
 
+  def stage_inputs(self, anchor: jax.Array, block_size: int) -> jax.Array:
+    """Anchor tokens [...] -> a stage's block inputs [..., Q, D]; the last gamma outputs draft."""
+    return self.block_inputs(anchor, block_size - 1 if self.shifted else block_size)
+
   def run_blocks(self, x: jax.Array, *, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
                  ctx_mask: jax.Array, own_k: jax.Array | None = None,
                  own_v: jax.Array | None = None) -> jax.Array:
@@ -284,36 +296,42 @@ class BlockDrafter(Drafter):
     return state.replace(lengths=(starts + counts).astype(jnp.int32), anchor=anchor,
                          committed_anchor=anchor)
 
-  def _stage_outputs(self, state: BlockState, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """One block forward after everything held: outputs h [B, gamma, D], logits [B, gamma, Vd]."""
+  def backbone_stage(self, state: BlockState, block_size: int) -> tuple[BlockState, jax.Array]:
+    """The block forward of one stage, after everything the state holds.
+
+    Writes the stand-in context of the stage's positions n .. n + gamma - 1 and
+    advances `lengths` by gamma; the caller picks the drafts and sets `anchor`
+    to the last one.
+
+    Returns:
+      (state, h [B, gamma, D] the outputs that predict the gamma drafts).
+    """
     n = state.lengths
     capacity = state.k.shape[2]
-    x = self.block_inputs(state.anchor, block_size)[:, None]  # [B, 1, 1 + gamma, D]
-    positions = (n[:, None] + jnp.arange(block_size + 1)[None, :])[:, None]
+    x = self.stage_inputs(state.anchor, block_size)[:, None]  # [B, 1, Q, D]
+    positions = (n[:, None] + jnp.arange(x.shape[2])[None, :])[:, None]
     ctx_mask = (jnp.arange(capacity)[None, :] < n[:, None])[:, None]  # [B, 1, C]
     h = self.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
-                        ctx_mask=ctx_mask)[:, 0, 1:]  # [B, gamma, D]
-    return h, self.draft_logits(h, head_rows=state.head_rows)
-
-  def _advance(self, state: BlockState, h: jax.Array, last_token: jax.Array) -> BlockState:
-    """After a stage: stand-in context at n .. n + gamma - 1, anchor = the stage's last token."""
-    n = state.lengths
+                        ctx_mask=ctx_mask)[:, 0, -block_size:]  # [B, gamma, D]
+    # Stand-in context for the unverified positions n .. n + gamma - 1 (next stage).
     state = self._write_context(state, self.stand_in(h), n)
-    return state.replace(lengths=n + h.shape[1], anchor=last_token)
+    return state.replace(lengths=n + block_size), h
 
   supports_trees = True
 
   def draft_tree_stage(self, state, *, block_size):
     # The block's outputs (and so the stand-in context) do not depend on the
     # tokens drafted: the best path only decides the next anchor.
-    h, logits = self._stage_outputs(state, block_size)
+    state, h = self.backbone_stage(state, block_size)
+    logits = self.draft_logits(h, head_rows=state.head_rows)
     best_last = self.to_target_ids(jnp.argmax(logits[:, -1], axis=-1)).astype(jnp.int32)
     vocab = None if self.d2t is None else self.d2t[...].astype(jnp.int32)
-    return (self._advance(state, h, best_last),
+    return (state.replace(anchor=best_last),
             TreeStage(logprobs=jax.nn.log_softmax(logits.astype(jnp.float32)), vocab=vocab))
 
   def draft_stage(self, state, *, key, block_size, sampling):
-    h, logits = self._stage_outputs(state, block_size)
+    state, h = self.backbone_stage(state, block_size)
+    logits = self.draft_logits(h, head_rows=state.head_rows)
     draft_ids = sampling_lib.next_token(key, logits, sampling)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), draft_ids[..., None],
                                    axis=-1)[..., 0]
@@ -323,8 +341,7 @@ class BlockDrafter(Drafter):
       if self.d2t is not None:
         probs = layers.scatter_to_vocab(probs, self.d2t[...], self.vocab_size)
     tokens = self.to_target_ids(draft_ids).astype(jnp.int32)
-    # Stand-in context for the unverified positions n .. n + gamma - 1 (next stage).
-    state = self._advance(state, h, tokens[:, -1])
+    state = state.replace(anchor=tokens[:, -1])
     return state, DraftStage(tokens=tokens, logprobs=logprobs, probs=probs)
 
   # --------------------------------------------------------------- training
@@ -334,8 +351,9 @@ class BlockDrafter(Drafter):
     """Block outputs of `num_stages` chained stages after each anchor (ground-truth anchors).
 
     Stage s of anchor a reads token x_{a + s*gamma} and masks at positions
-    a + s*gamma + 1 .. a + (s+1)*gamma. It sees the target context of positions
-    < a in a's segment, and (s >= 1) the stand-in context of its own chain's
+    a + s*gamma + 1 .. a + (s+1)*gamma (shifted: .. a + (s+1)*gamma - 1); its
+    drafts predict x_{a + s*gamma + 1} .. x_{a + (s+1)*gamma}. It sees the target
+    context of positions < a in a's segment, and (s >= 1) the stand-in context of its own chain's
     earlier stages at positions a .. a + s*gamma - 1, computed from those
     stages' outputs exactly as `draft_stage` does at inference.
 
@@ -362,13 +380,13 @@ class BlockDrafter(Drafter):
     for s in range(num_stages):
       offset = s * block_size
       anchor_tok = jnp.take_along_axis(tokens, jnp.clip(anchors + offset, 0, t - 1), axis=1)
-      qpos = pos_a[..., None] + offset + jnp.arange(block_size + 1)
-      h = self.run_blocks(self.block_inputs(anchor_tok, block_size), positions=qpos,
-                          ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=ctx_mask, own_k=own_k,
-                          own_v=own_v)[:, :, 1:]
+      x = self.stage_inputs(anchor_tok, block_size)
+      qpos = pos_a[..., None] + offset + jnp.arange(x.shape[-2])
+      h = self.run_blocks(x, positions=qpos, ctx_k=ctx_k, ctx_v=ctx_v, ctx_mask=ctx_mask,
+                          own_k=own_k, own_v=own_v)[:, :, -block_size:]
       outs.append(h)
       if s + 1 < num_stages:
-        k, v = self.context_kv(self.stand_in(h), qpos[..., :-1])  # [L, B, A, gamma, K, H]
+        k, v = self.context_kv(self.stand_in(h), qpos[..., :block_size])  # [L, B, A, gamma, K, H]
         own_k = k if own_k is None else jnp.concatenate([own_k, k], axis=3)
         own_v = v if own_v is None else jnp.concatenate([own_v, v], axis=3)
     return outs

@@ -2,7 +2,7 @@
 
 A drafter config is a flat dict (or ConfigDict):
 
-    kind               "eagle3" | "block"
+    kind               "eagle3" | "block" | "dspark" | "domino"
     block_size         gamma: drafts per stage (block: the most one forward drafts)
     taps               target decoder layers read (default: low / middle / high)
     num_layers         decoder layers (EAGLE-3: 1)
@@ -10,7 +10,16 @@ A drafter config is a flat dict (or ConfigDict):
                        layer shape (default: the target's)
     draft_vocab_size   reduced draft vocabulary (0 = the target's); EAGLE-3 by default
                        on large vocabularies
-    qk_norm            per-head RMSNorm of q and k (default: on for block)
+    qk_norm            per-head RMSNorm of q and k (default: on for block, dspark, domino)
+    markov_rank        dspark: rank of the Markov head (0 = none; default 256, at most
+                       the hidden size)
+    enable_confidence_head
+                       dspark: learn per-draft acceptance estimates (default on)
+    gru_hidden_size    domino: prefix GRU width (default: a quarter of the hidden size, as
+                       Domino's 1024 for 4096-wide targets; drafting holds a [V, 3G] table)
+    correction_rank    domino: correction MLP width (default 256, at most the hidden size)
+
+dspark and domino draft over the full vocabulary (their heads are [V, r]).
 
 `Drafter.drafter_config()` returns the resolved dict (every key), which rebuilds
 the same drafter.
@@ -39,14 +48,19 @@ from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.drafters.base import Drafter
 from dloop_jax.drafters.block import BlockDrafter
 from dloop_jax.drafters.eagle3 import Eagle3Drafter
-from dloop_jax.drafters.spec import KINDS, DrafterSpec
+from dloop_jax.drafters.domino import DominoDrafter
+from dloop_jax.drafters.dspark import DSparkDrafter
+from dloop_jax.drafters.spec import HEAD_KEYS, KINDS, DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import TransformerConfig, default_taps
 
 # EAGLE-3 reduces vocabularies above this size to it (Llama-3: 128k -> 32k).
 DEFAULT_DRAFT_VOCAB = 8192
 _KEYS = ("kind", "block_size", "taps", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-         "intermediate_size", "draft_vocab_size", "qk_norm")
+         "intermediate_size", "draft_vocab_size", "qk_norm") + tuple(
+             k for keys in HEAD_KEYS.values() for k in keys)
+# DSpark ships block 7 and r = 256 (DeepSpec); Domino r = 256 (its paper).
+HEAD_RANK = 256
 
 
 def default_drafter_config(kind: str, target_config: TransformerConfig) -> dict[str, Any]:
@@ -59,11 +73,18 @@ def default_drafter_config(kind: str, target_config: TransformerConfig) -> dict[
     vd = DEFAULT_DRAFT_VOCAB if c.vocab_size > DEFAULT_DRAFT_VOCAB else 0
     return dict(kind="eagle3", block_size=4, num_layers=1, draft_vocab_size=vd, qk_norm=False,
                 **common)
+  # DFlash uses a handful of layers for 36-layer targets: ~1 per 10 target layers.
+  layers = max(1, min(5, c.num_layers // 10))
   if kind == "block":
-    # DFlash uses a handful of layers for 36-layer targets: ~1 per 10 target layers.
-    layers = max(1, min(5, c.num_layers // 10))
     return dict(kind="block", block_size=8, num_layers=layers, draft_vocab_size=0, qk_norm=True,
                 **common)
+  rank = min(HEAD_RANK, c.hidden_size)
+  if kind == "dspark":
+    return dict(kind="dspark", block_size=7, num_layers=layers, draft_vocab_size=0, qk_norm=True,
+                markov_rank=rank, enable_confidence_head=True, **common)
+  if kind == "domino":
+    return dict(kind="domino", block_size=8, num_layers=layers, draft_vocab_size=0, qk_norm=True,
+                gru_hidden_size=max(1, c.hidden_size // 4), correction_rank=rank, **common)
   raise ConfigError(f"Unknown drafter kind {kind!r}; expected one of {KINDS}.")
 
 
@@ -81,6 +102,10 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
   kind = given.get("kind")
   if kind not in KINDS:
     raise ConfigError(f"Drafter config needs kind in {KINDS}, got {kind!r}.")
+  foreign = sorted(k for other, keys in HEAD_KEYS.items() if other != kind for k in keys
+                   if k in given)
+  if foreign:
+    raise ConfigError(f"Drafter config keys {foreign} do not apply to kind {kind!r}.")
   unknown = sorted(set(given) - set(_KEYS))
   if unknown:
     hints = [difflib.get_close_matches(k, _KEYS, n=1) for k in unknown]
@@ -110,12 +135,28 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
   if kind == "eagle3" and merged["num_layers"] != 1:
     raise ConfigError(f"An EAGLE-3 drafter has one decoder layer; got num_layers="
                       f"{merged['num_layers']}.")
+  heads = {}
+  if kind in HEAD_KEYS:
+    if vd:
+      raise ConfigError(f"A {kind} drafter drafts over the full vocabulary; got"
+                        f" draft_vocab_size={vd} (use 0).")
+    keys = dict(markov_rank=0, gru_hidden_size=1, correction_rank=1)
+    for key in HEAD_KEYS[kind]:
+      if key in keys:
+        value = merged[key]
+        if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+            or value < keys[key]):
+          raise ConfigError(f"Drafter config {key} must be an int >= {keys[key]}, got"
+                            f" {value!r}.")
+        heads[key] = int(value)
+      else:
+        heads[key] = bool(merged[key])
   return DrafterSpec(
       kind=kind, block_size=int(merged["block_size"]), taps=taps,
       num_layers=int(merged["num_layers"]), num_heads=int(merged["num_heads"]),
       num_kv_heads=int(merged["num_kv_heads"]), head_dim=int(merged["head_dim"]),
       intermediate_size=int(merged["intermediate_size"]), draft_vocab_size=int(vd),
-      qk_norm=bool(merged["qk_norm"]))
+      qk_norm=bool(merged["qk_norm"]), **heads)
 
 
 def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,
@@ -132,10 +173,11 @@ def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,
       `set_draft_vocab` is called).
 
   Returns:
-    An `Eagle3Drafter` or a `BlockDrafter`.
+    An `Eagle3Drafter`, `BlockDrafter`, `DSparkDrafter` or `DominoDrafter`.
   """
   spec = resolve_config(config, target.config)
-  cls = Eagle3Drafter if spec.kind == "eagle3" else BlockDrafter
+  cls = {"eagle3": Eagle3Drafter, "block": BlockDrafter, "dspark": DSparkDrafter,
+         "domino": DominoDrafter}[spec.kind]
   drafter = cls(spec, target=target, rngs=rngs)
   if token_counts is not None and drafter.reduced_vocab:
     d2t, _ = vocab_lib.draft_vocab_from_counts(token_counts, spec.draft_vocab_size)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-KINDS = ("eagle3", "block")
+KINDS = ("eagle3", "block", "dspark", "domino")
+
+# Keys only some kinds have: (kind, key) pairs; `to_dict` leaves the others out,
+# so the configs of the other kinds (and their exports) are unchanged.
+HEAD_KEYS = {
+    "dspark": ("markov_rank", "enable_confidence_head"),
+    "domino": ("gru_hidden_size", "correction_rank"),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -13,7 +20,7 @@ class DrafterSpec:
   """Shape of a drafter (hashable: it is a static attribute of the module).
 
   Attributes:
-    kind: "eagle3" or "block".
+    kind: "eagle3", "block", "dspark" or "domino".
     block_size: stage size gamma it is trained for (block: the most it drafts).
     taps: target decoder layers whose outputs it reads.
     num_layers: drafter decoder layers (EAGLE-3: 1).
@@ -23,6 +30,10 @@ class DrafterSpec:
     intermediate_size: MLP width.
     draft_vocab_size: reduced draft vocabulary size Vd (0 = the target's).
     qk_norm: per-head RMSNorm on queries and keys (DFlash does this).
+    markov_rank: DSpark: rank r of the Markov head (0 = no Markov head).
+    enable_confidence_head: DSpark: learn a per-draft acceptance estimate.
+    gru_hidden_size: Domino: width G of the prefix GRU.
+    correction_rank: Domino: width r of the correction MLP.
   """
 
   kind: str
@@ -35,6 +46,10 @@ class DrafterSpec:
   intermediate_size: int
   draft_vocab_size: int = 0
   qk_norm: bool = False
+  markov_rank: int = 0
+  enable_confidence_head: bool = False
+  gru_hidden_size: int = 0
+  correction_rank: int = 0
 
   @property
   def q_size(self) -> int:
@@ -47,4 +62,8 @@ class DrafterSpec:
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d["taps"] = list(self.taps)
+    for kind, keys in HEAD_KEYS.items():
+      if kind != self.kind:
+        for key in keys:
+          del d[key]
     return d

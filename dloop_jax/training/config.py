@@ -20,7 +20,7 @@ import ml_collections
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import sharding as sharding_lib
 
-OBJECTIVES = ("eagle3_ttt", "block", "loop_aware")
+OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
 DTYPES = ("float32", "bfloat16")
 DISTRIBUTED_MODES = ("auto", "on", "off")
 FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
@@ -168,7 +168,7 @@ def validate(config: Mapping[str, Any]) -> None:
     raise ConfigError("checkpoint.every_steps must be an int >= 1, got"
                       f" {c['checkpoint']['every_steps']!r}.")
   if "kind" not in c["drafter"]:
-    raise ConfigError("drafter.kind is required (e.g. 'eagle3' or 'block').")
+    raise ConfigError("drafter.kind is required (e.g. 'eagle3', 'block', 'dspark' or 'domino').")
   sharding_lib.normalize_rules(c["sharding"]["rules"])
 
 

@@ -1,4 +1,4 @@
-"""Drafter training objectives: EAGLE-3 training-time test, block, loop-aware.
+"""Drafter training objectives: EAGLE-3 training-time test, block, DSpark, Domino, loop-aware.
 
     loss, metrics = loss_fn(drafter, batch, key, objective="eagle3_ttt", cfg={...})
 
@@ -14,6 +14,9 @@ Batch (dict of arrays; B rows of T):
     features     [B, T, n_taps, D] target taps after reading tokens[t]
     segment_ids  [B, T] int32    packed example id, 0 = padding
     positions    [B, T] int32    position within its own example
+    target_logits [B, T, V]      optional (dspark): the target's logits after
+                                 reading tokens[t]; without them the target's
+                                 distribution is the one-hot of the next token
 
 A prediction of tokens[p] counts when loss_mask[p] is 1 and p lies in the same
 segment as every position it is conditioned on; attention never crosses
@@ -28,6 +31,16 @@ Objectives and their `cfg` keys (any Mapping or ConfigDict):
   block        block_size (drafter's), anchors_per_sequence (16).
     Random anchors inside the response, a block of gamma masks after each;
     the k-th draft of a block weighs exp(-(k - 1) / gamma).
+  dspark       block_size, anchors_per_sequence (as block), ce_weight (0.1),
+               l1_weight (0.9), confidence_weight (1.0).
+    The block objective's anchors and position weights on DSpark's shifted
+    block: CE + L1 to the target distribution + confidence BCE
+    (`dspark_objective`).
+  domino       block_size, anchors_per_sequence (as block), curriculum_fraction
+               (0.5; loop-aware: 0).
+    (1 - lambda) CE(corrected) + lambda CE(base), lambda from 1 to 0 over the
+    first curriculum_fraction of training (`domino_objective`; needs the
+    training progress, which the trainer passes).
   loop_aware   loop_stages (alias max_stages; 3), fixed_stages (0 = random),
                block_size (drafter's), base_objective (optional check), and
                the base objective's keys (step_decay / anchors_per_sequence).
@@ -38,7 +51,8 @@ Objectives and their `cfg` keys (any Mapping or ConfigDict):
     EAGLE-3 a stage is gamma steps of the training-time-test chain (`ttt_steps`
     is not used: stages set the unroll); for the block drafter stage s + 1 is
     anchored at the ground-truth token ending stage s and sees stage s's
-    stand-in context (`BlockDrafter.train_stages`).
+    stand-in context (`BlockDrafter.train_stages`); DSpark and Domino stages
+    are the block drafter's, each with its own objective.
 
 Metrics: loss, acc_1 .. acc_K (top-1 accuracy at draft position k; K = ttt
 steps, or gamma for block / loop-aware), expected_acceptance_length (see
@@ -49,6 +63,7 @@ the last stage.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,15 +71,27 @@ import jax
 import jax.numpy as jnp
 
 from dloop_jax.drafters.block import BlockDrafter
+from dloop_jax.drafters.domino import DominoDrafter
+from dloop_jax.drafters.dspark import DSparkDrafter
 from dloop_jax.drafters.eagle3 import Eagle3Drafter
 from dloop_jax.errors import ConfigError
+from dloop_jax.training import domino_objective
+from dloop_jax.training import dspark_objective
 from dloop_jax.training import metrics as metrics_lib
 
-OBJECTIVES = ("eagle3_ttt", "block", "loop_aware")
-_BASE_FOR = {Eagle3Drafter: "eagle3_ttt", BlockDrafter: "block"}
+OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
+# Subclasses first: a DSpark or Domino drafter is also a BlockDrafter.
+_BASE_FOR = {DSparkDrafter: "dspark", DominoDrafter: "domino", Eagle3Drafter: "eagle3_ttt",
+             BlockDrafter: "block"}
 
 
 # ------------------------------------------------------------------ helpers
+def _plain_cfg(cfg: Any) -> dict[str, Any]:
+  if cfg is None:
+    return {}
+  return {k: v for k, v in cfg.items() if v is not None}
+
+
 def _get(cfg: Any, key: str, default: Any) -> Any:
   if cfg is None:
     return default
@@ -88,9 +115,12 @@ def _batch(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
   positions = batch.get("positions")
   positions = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if positions is None
                else jnp.asarray(positions).astype(jnp.int32))
-  return dict(tokens=tokens, loss_mask=jnp.asarray(batch["loss_mask"]).astype(jnp.int32),
-              features=jnp.asarray(batch["features"]).astype(jnp.float32),
-              segment_ids=segment_ids, positions=positions)
+  out = dict(tokens=tokens, loss_mask=jnp.asarray(batch["loss_mask"]).astype(jnp.int32),
+             features=jnp.asarray(batch["features"]).astype(jnp.float32),
+             segment_ids=segment_ids, positions=positions)
+  if "target_logits" in batch:
+    out["target_logits"] = jnp.asarray(batch["target_logits"]).astype(jnp.float32)
+  return out
 
 
 def _shift(x: jax.Array, offset: int, fill: int = 0) -> jax.Array:
@@ -194,9 +224,13 @@ def sample_anchors(key: jax.Array, b: Mapping[str, jax.Array], num_anchors: int
   return anchors.astype(jnp.int32), top >= 0
 
 
-def _block_stage_stats(drafter: BlockDrafter, b, anchors, ok, h: jax.Array, *, stage: int,
-                       gamma: int):
-  """(weighted mean nll, correct [gamma], counted [gamma]) of one stage's outputs h [B, A, gamma, D]."""
+def _stage_targets(b, anchors, ok, *, stage: int, gamma: int) -> dict[str, jax.Array]:
+  """What one stage's gamma drafts predict, all [B, A, gamma].
+
+  Returns:
+    labels, valid (bool), weights (exp(-(k - 1) / gamma)), prev (the
+    ground-truth token before each label), pos (label index into T, clipped).
+  """
   tokens, seg, lm = b["tokens"], b["segment_ids"], b["loss_mask"]
   t = tokens.shape[1]
   k = jnp.arange(1, gamma + 1)
@@ -204,13 +238,49 @@ def _block_stage_stats(drafter: BlockDrafter, b, anchors, ok, h: jax.Array, *, s
   inside = pos < t
   pos_c = jnp.clip(pos, 0, t - 1)
   take = jax.vmap(lambda row, p: row[p])
-  labels = take(tokens, pos_c)
   seg_a = jnp.take_along_axis(seg, anchors, axis=1)[..., None]
   valid = inside & (take(lm, pos_c) == 1) & (take(seg, pos_c) == seg_a) & ok[..., None]
   weights = jnp.broadcast_to(jnp.exp(-(k - 1) / gamma).astype(jnp.float32), valid.shape)
-  nll_sum, w_sum, correct, valid = _ce_terms(drafter, h, labels, valid, weights)
+  return dict(labels=take(tokens, pos_c), valid=valid, weights=weights,
+              prev=take(tokens, pos_c - 1), pos=pos_c)
+
+
+def _block_stage_stats(drafter: BlockDrafter, b, anchors, ok, h: jax.Array, *, stage: int,
+                       gamma: int):
+  """(weighted mean nll, correct [gamma], counted [gamma]) of one stage's outputs h [B, A, gamma, D]."""
+  y = _stage_targets(b, anchors, ok, stage=stage, gamma=gamma)
+  nll_sum, w_sum, correct, valid = _ce_terms(drafter, h, y["labels"], y["valid"], y["weights"])
   return (metrics_lib.safe_ratio(nll_sum, w_sum), jnp.sum(correct, axis=(0, 1)),
           jnp.sum(valid, axis=(0, 1)))
+
+
+def _head_stage_stats(drafter, b, anchors, ok, h: jax.Array, *, stage: int, gamma: int,
+                      cfg: Any = None, progress: jax.Array | None = None,
+                      extras: list | None = None):
+  """`_block_stage_stats` for DSpark / Domino (their own objectives); metrics go to `extras`."""
+  y = _stage_targets(b, anchors, ok, stage=stage, gamma=gamma)
+  common = dict(labels=y["labels"], prev=y["prev"], valid=y["valid"], weights=y["weights"])
+  if isinstance(drafter, DSparkDrafter):
+    target_probs = None
+    if "target_logits" in b:
+      # The target's logits after reading tokens[p - 1] are its distribution of tokens[p].
+      take = jax.vmap(lambda row, p: row[p])
+      target_probs = jax.nn.softmax(take(b["target_logits"], y["pos"] - 1), axis=-1)
+    weights = {k: float(_get(cfg, k, v)) for k, v in dspark_objective.DEFAULTS.items()}
+    loss, correct, m = dspark_objective.stage_loss(drafter, h, target_probs=target_probs,
+                                                   cfg=weights, **common)
+  else:
+    lam = domino_objective.base_weight(progress, float(_get(cfg, "curriculum_fraction", 0.5)))
+    loss, correct, m = domino_objective.stage_loss(drafter, h, lam=lam, **common)
+  if extras is not None:
+    extras.append(m)
+  return loss, jnp.sum(correct, axis=(0, 1)), jnp.sum(y["valid"], axis=(0, 1))
+
+
+def _stage_stats_for(drafter, cfg, progress, extras=None):
+  if isinstance(drafter, (DSparkDrafter, DominoDrafter)):
+    return functools.partial(_head_stage_stats, cfg=cfg, progress=progress, extras=extras)
+  return _block_stage_stats
 
 
 def _block_setup(drafter: BlockDrafter, batch, key, cfg):
@@ -224,23 +294,31 @@ def _block_setup(drafter: BlockDrafter, batch, key, cfg):
 
 
 def block_loss(drafter: BlockDrafter, batch: Mapping[str, jax.Array], key: jax.Array, *,
-               cfg: Any = None):
-  """Block objective: random anchors, position-decayed CE over the block."""
+               cfg: Any = None, progress: jax.Array | None = None):
+  """Block objective: random anchors, position-decayed CE over the block.
+
+  On a DSpark or Domino drafter the same anchors and blocks with that
+  drafter's objective (the `dspark` / `domino` objectives).
+  """
   b, gamma, anchors, ok = _block_setup(drafter, batch, key, cfg)
   (h,) = drafter.train_stages(tokens=b["tokens"], features=b["features"],
                               positions=b["positions"], segment_ids=b["segment_ids"],
                               anchors=anchors, block_size=gamma, num_stages=1)
-  loss, correct, counted = _block_stage_stats(drafter, b, anchors, ok, h, stage=0, gamma=gamma)
-  return loss, {"loss": loss, **metrics_lib.position_metrics(correct, counted)}
+  extras = []
+  stats = _stage_stats_for(drafter, cfg, progress, extras)
+  loss, correct, counted = stats(drafter, b, anchors, ok, h, stage=0, gamma=gamma)
+  metrics = {"loss": loss, **metrics_lib.position_metrics(correct, counted)}
+  for m in extras:
+    metrics.update(m)
+  return loss, metrics
 
 
-def _block_loop_branch(drafter, b, anchors, ok, *, stages: int, gamma: int):
+def _block_loop_branch(drafter, b, anchors, ok, *, stages: int, gamma: int, stats):
   hs = drafter.train_stages(tokens=b["tokens"], features=b["features"], positions=b["positions"],
                             segment_ids=b["segment_ids"], anchors=anchors, block_size=gamma,
                             num_stages=stages)
-  first, c1, n1 = _block_stage_stats(drafter, b, anchors, ok, hs[0], stage=0, gamma=gamma)
-  last, cs, ns = _block_stage_stats(drafter, b, anchors, ok, hs[-1], stage=stages - 1,
-                                    gamma=gamma)
+  first, c1, n1 = stats(drafter, b, anchors, ok, hs[0], stage=0, gamma=gamma)
+  last, cs, ns = stats(drafter, b, anchors, ok, hs[-1], stage=stages - 1, gamma=gamma)
   return _loop_result(first, last, c1, n1, cs, ns, stages)
 
 
@@ -254,7 +332,8 @@ def _loop_result(first, last, c1, n1, cs, ns, stages):
   return loss, m
 
 
-def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, cfg: Any = None):
+def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, cfg: Any = None,
+                    progress: jax.Array | None = None):
   """Loop-aware training (DESIGN.md section 1): (L^(1) + L^(S)) / 2, S ~ U{1..N}."""
   n = int(_get(cfg, "loop_stages", _get(cfg, "max_stages", 3)))
   if n < 1:
@@ -274,8 +353,13 @@ def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, 
                                                 step_decay=decay) for s in range(1, n + 1)]
   else:
     b, gamma, anchors, ok = _block_setup(drafter, batch, anchor_key, cfg)
-    branches = [lambda s=s: _block_loop_branch(drafter, b, anchors, ok, stages=s, gamma=gamma)
-                for s in range(1, n + 1)]
+    # The fine-tune starts from a trained drafter: no base-anchored curriculum
+    # unless the config asks for one.
+    cfg = dict(_plain_cfg(cfg))
+    cfg.setdefault("curriculum_fraction", 0.0)
+    stats = _stage_stats_for(drafter, cfg, progress)
+    branches = [lambda s=s: _block_loop_branch(drafter, b, anchors, ok, stages=s, gamma=gamma,
+                                               stats=stats) for s in range(1, n + 1)]
   if fixed:
     return branches[fixed - 1]()
   return jax.lax.switch(index, branches)
@@ -283,15 +367,19 @@ def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, 
 
 # ---------------------------------------------------------------------- entry
 def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objective: str,
-            cfg: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+            cfg: Any = None, progress: jax.Array | float | None = None
+            ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The training loss of `drafter` on `batch` and its metrics.
 
   Args:
-    drafter: an `Eagle3Drafter` or a `BlockDrafter` (merged from trained params).
+    drafter: an `Eagle3Drafter`, `BlockDrafter`, `DSparkDrafter` or `DominoDrafter`
+      (merged from trained params).
     batch: see the module docstring.
     key: PRNG key (anchors, loop stages).
-    objective: "eagle3_ttt", "block" or "loop_aware".
+    objective: "eagle3_ttt", "block", "dspark", "domino" or "loop_aware".
     cfg: the objective's settings (see the module docstring).
+    progress: fraction of training done (traced scalar in [0, 1]): Domino's
+      curriculum; None = past it.
 
   Returns:
     (scalar loss, {name: scalar metric}).
@@ -300,18 +388,18 @@ def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objectiv
     raise ConfigError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
   base = next((name for cls, name in _BASE_FOR.items() if isinstance(drafter, cls)), None)
   if base is None:
-    raise ConfigError(f"No objective trains a {type(drafter).__name__}; expected an EAGLE-3 or a"
-                      " block drafter.")
+    raise ConfigError(f"No objective trains a {type(drafter).__name__}; expected an EAGLE-3,"
+                      " block, DSpark or Domino drafter.")
   if objective == "loop_aware":
     wanted = _get(cfg, "base_objective", base)
     if wanted != base:
       raise ConfigError(f"loop_aware with base_objective={wanted!r} does not fit a"
                         f" {type(drafter).__name__} (its objective is {base!r}).")
-    return loop_aware_loss(drafter, batch, key, cfg=cfg)
+    return loop_aware_loss(drafter, batch, key, cfg=cfg, progress=progress)
   if objective != base:
     raise ConfigError(f"objective {objective!r} does not train a {type(drafter).__name__}; use"
                       f" {base!r} (or 'loop_aware').")
   if objective == "eagle3_ttt":
     return eagle3_ttt_loss(drafter, batch, ttt_steps=int(_get(cfg, "ttt_steps", 7)),
                            step_decay=float(_get(cfg, "step_decay", 0.8)))
-  return block_loss(drafter, batch, key, cfg=cfg)
+  return block_loss(drafter, batch, key, cfg=cfg, progress=progress)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import os
@@ -72,7 +73,9 @@ class TrainHooks:
   Attributes:
     build_target: `(target_config) -> Target`.
     build_drafter: `(drafter_config: dict, *, target, rngs) -> Drafter`.
-    loss_fn: `(drafter, batch, key, *, objective, cfg) -> (loss, metrics)`.
+    loss_fn: `(drafter, batch, key, *, objective, cfg[, progress]) -> (loss, metrics)`;
+      `progress` (fraction of training done, traced) is passed when it is a
+      parameter.
     make_iterator: `(config, *, target: Target, drafter, workdir, batch_size,
       shard_index, shard_count) -> (iterator, data_info)`; the iterator yields
       dicts of numpy arrays with `batch_size` (per-process) rows and has
@@ -127,9 +130,9 @@ def default_build_drafter(drafter_config, *, target, rngs):
                                                          rngs=rngs)
 
 
-def default_loss_fn(drafter, batch, key, *, objective, cfg):
+def default_loss_fn(drafter, batch, key, *, objective, cfg, progress=None):
   return _library("dloop_jax.training.objectives", "loss_fn")(
-      drafter, batch, key, objective=objective, cfg=cfg)
+      drafter, batch, key, objective=objective, cfg=cfg, progress=progress)
 
 
 def _pipeline():
@@ -424,6 +427,10 @@ class Trainer:
     loss_fn, objective = self.hooks.loss_fn, self.config.objective
     objective_cfg = ml_collections.FrozenConfigDict(self.config.objective_cfg)
     base_key = self.base_key
+    # Curricula (Domino's) need the fraction of training done; loss functions
+    # that take no `progress` (custom hooks) are called as before.
+    takes_progress = "progress" in inspect.signature(loss_fn).parameters
+    num_steps = max(int(self.config.num_steps), 1)
 
     def train_step(params, opt_state, frozen, model_state, rng_state, batch, step):
       key = jax.random.fold_in(base_key, step)
@@ -433,7 +440,9 @@ class Trainer:
       def loss_of(p):
         drafter = nnx.merge(graphdef, _rebuild(templates["params"], p), frozen_state,
                             rng_state, other)
-        loss, metrics = loss_fn(drafter, batch, key, objective=objective, cfg=objective_cfg)
+        extra = {"progress": step / num_steps} if takes_progress else {}
+        loss, metrics = loss_fn(drafter, batch, key, objective=objective, cfg=objective_cfg,
+                                **extra)
         return loss, metrics
 
       (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)

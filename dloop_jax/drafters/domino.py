@@ -1,0 +1,178 @@
+"""Domino drafter: a block backbone plus a causal GRU correction head.
+
+Backbone. The block drafter's layers with the anchor as the first prediction
+position (`BlockDrafter.shifted`, as in DSpark): a stage over x_n (the anchor)
+and gamma - 1 masks gives outputs 0 .. gamma - 1, output i predicting
+x_{n+i+1}; z_i (final-norm hidden state) through the target's LM head gives
+the base logits.
+
+Head. A one-layer GRU without bias (PyTorch gate order r, z, n) reads the
+target's input embeddings of the tokens realised in the block, anchor first,
+from a zero state:
+
+    s_0 = GRU(0, e(x_n)),   s_i = GRU(s_{i-1}, e(d_i))     (d_i: draft i)
+
+and a low-rank MLP corrects the base logits of every position but the first
+(the anchor's own output, a pure backbone draft):
+
+    logits_0 = base_0
+    logits_i = base_i + W2 silu(W1 [z_i ; s_i])      i >= 1
+
+so draft i + 1 depends on the drafts before it. At inference the GRU's input
+projection of every vocabulary entry, `embed @ W_ih^T` [V, 3G], is computed
+once per generation (`init_state`): a GRU step is then a row gather and a
+G x 3G product. DLoop's gate scores the corrected log-probabilities.
+
+The GRU state lives only inside a stage: every stage (every block) starts from
+a zero state over its own anchor, as in training, so nothing of the head is
+carried across stages or committed; the context of later stages is the
+backbone's stand-ins, as for the block drafter.
+
+Weights use the layouts of Domino's checkpoints: `gru_w_ih` [3G, H]
+(`prefix_gru.weight_ih_l0`), `gru_w_hh` [3G, G] (`weight_hh_l0`),
+`correction_w1` [r, H + G] (`embed_proj.0.weight`), `correction_w2` [V, r]
+(`embed_proj.2.weight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.drafters import layers
+from dloop_jax.drafters.base import DraftStage
+from dloop_jax.drafters.block import BlockDrafter, BlockState
+from dloop_jax.drafters.spec import DrafterSpec
+from dloop_jax.models.transformer import Transformer, rms_norm
+
+
+@struct.dataclass
+class DominoState(BlockState):
+  """Block drafter state plus the GRU's input projection of the vocabulary.
+
+  Attributes:
+    gru_table: [V, 3G] `embed @ W_ih^T`, computed once per generation.
+  """
+
+  gru_table: jax.Array
+
+
+def gru_step(h: jax.Array, gi: jax.Array, w_hh: jax.Array) -> jax.Array:
+  """One bias-free GRU step (PyTorch gate order r, z, n).
+
+  Args:
+    h: [..., G] previous state.
+    gi: [..., 3G] input projection x @ W_ih^T.
+    w_hh: [3G, G] recurrent weights.
+
+  Returns:
+    [..., G] the next state.
+  """
+  gh = h @ w_hh.T
+  i_r, i_z, i_n = jnp.split(gi, 3, axis=-1)
+  h_r, h_z, h_n = jnp.split(gh, 3, axis=-1)
+  r = jax.nn.sigmoid(i_r + h_r)
+  z = jax.nn.sigmoid(i_z + h_z)
+  n = jnp.tanh(i_n + r * h_n)
+  return (1.0 - z) * n + z * h
+
+
+class DominoDrafter(BlockDrafter):
+  """Shifted block backbone + GRU-over-the-prefix low-rank logit correction."""
+
+  shifted = True
+  # Trees from the backbone's logits alone would leave out the GRU correction (DARTree-style
+  # trees for these heads are not built yet).
+  supports_trees = False
+
+  def __init__(self, spec: DrafterSpec, *, target: Transformer, rngs: nnx.Rngs):
+    super().__init__(spec, target=target, rngs=rngs)
+    self.name = "domino"
+    v, d, dtype = self.vocab_size, target.config.hidden_size, target.dtype
+    g, r = spec.gru_hidden_size, spec.correction_rank
+    # PyTorch's GRU init scale (uniform +-1/sqrt(G)), as a normal of that std.
+    self.gru_w_ih = nnx.Param(layers.init_weight(rngs, (3 * g, d), fan_in=g, dtype=dtype))
+    self.gru_w_hh = nnx.Param(layers.init_weight(rngs, (3 * g, g), fan_in=g, dtype=dtype))
+    self.correction_w1 = nnx.Param(layers.init_weight(rngs, (r, d + g), fan_in=d + g,
+                                                      dtype=dtype))
+    # Zero: an untrained head leaves the backbone's logits unchanged.
+    self.correction_w2 = nnx.Param(jnp.zeros((v, r), dtype))
+
+  # ------------------------------------------------------------------- head
+  def gru_inputs(self, tokens: jax.Array) -> jax.Array:
+    """Tokens [...] -> GRU input projections [..., 3G] (training: no table)."""
+    e = jnp.take(self.embed[...], tokens, axis=0).astype(self.gru_w_ih[...].dtype)
+    return e @ self.gru_w_ih[...].T
+
+  def prefix_states(self, gi: jax.Array) -> jax.Array:
+    """Input projections [..., Q, 3G] of x_0 .. x_{Q-1} -> states s_0 .. s_{Q-1} [..., Q, G]."""
+    w_hh = self.gru_w_hh[...]
+    h0 = jnp.zeros(gi.shape[:-2] + (w_hh.shape[1],), gi.dtype)
+
+    def step(h, g):
+      h = gru_step(h, g, w_hh)
+      return h, h
+
+    _, hs = jax.lax.scan(step, h0, jnp.moveaxis(gi, -2, 0))
+    return jnp.moveaxis(hs, 0, -2)
+
+  def correction(self, hidden: jax.Array, states: jax.Array) -> jax.Array:
+    """Backbone outputs [..., D], GRU states [..., G] -> f32 logit corrections [..., V]."""
+    z = rms_norm(hidden, self.final_norm[...], self.eps)
+    x = jnp.concatenate([z, states.astype(z.dtype)], axis=-1)
+    return (jax.nn.silu(x @ self.correction_w1[...].T) @ self.correction_w2[...].T
+            ).astype(jnp.float32)
+
+  def corrected_logits(self, hidden: jax.Array, tokens: jax.Array, *,
+                       head_rows: jax.Array | None = None) -> jax.Array:
+    """Teacher-forced logits of a block.
+
+    Args:
+      hidden: [..., gamma, D] backbone outputs (output i predicts x_{i+1}).
+      tokens: [..., gamma] the block's realised tokens x_0 (anchor) .. x_{gamma-1}.
+      head_rows: `_head_rows()` when the caller has it.
+
+    Returns:
+      (base, corrected) f32 logits [..., gamma, V].
+    """
+    base = self.draft_logits(hidden, head_rows=head_rows)
+    corr = self.correction(hidden, self.prefix_states(self.gru_inputs(tokens)))
+    first = (jnp.arange(hidden.shape[-2]) == 0)[:, None]
+    return base, base + jnp.where(first, 0.0, corr)
+
+  # -------------------------------------------------------------- interface
+  def init_state(self, *, batch_size: int, capacity: int) -> DominoState:
+    base = super().init_state(batch_size=batch_size, capacity=capacity)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return DominoState(**fields, gru_table=self.embed[...].astype(self.gru_w_ih[...].dtype)
+                       @ self.gru_w_ih[...].T)
+
+  def draft_stage(self, state, *, key, block_size, sampling):
+    state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]
+    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, V]
+    w_hh, table = self.gru_w_hh[...], state.gru_table
+    s0 = gru_step(jnp.zeros((h.shape[0], w_hh.shape[1]), table.dtype),
+                  jnp.take(table, state.anchor, axis=0), w_hh)
+
+    def step(s, xs):
+      # s = GRU state after the tokens realised so far in this block.
+      i, base_i, h_i, key_i = xs
+      logits = base_i + jnp.where(i == 0, 0.0, self.correction(h_i, s))
+      token = sampling_lib.next_token(key_i, logits, sampling).astype(jnp.int32)
+      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+      probs = None if sampling.greedy else sampling_lib.processed_probs(logits, sampling)
+      s = gru_step(s, jnp.take(table, token, axis=0), w_hh)
+      return s, (token, logprob, probs)
+
+    xs = (jnp.arange(block_size), jnp.swapaxes(base, 0, 1), jnp.swapaxes(h, 0, 1),
+          jax.random.split(key, block_size))
+    _, (tokens, logprobs, probs) = jax.lax.scan(step, s0, xs)
+    t = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
+    tokens = t(tokens)
+    state = state.replace(anchor=tokens[:, -1])
+    return state, DraftStage(tokens=tokens, logprobs=t(logprobs), probs=t(probs))
