@@ -7,7 +7,10 @@ import sys
 
 # Tests run on the CPU with f32 and spend most of their time compiling small
 # programs: LLVM's optimisation level 0 compiles them about a third faster
-# (matrix products still call the same Eigen kernels).
+# (matrix products still call the same Eigen kernels). Only for this process's
+# backend: the command-line runs the tests start (real model, long decodes)
+# keep the caller's flags (the variable is restored once the backend is up).
+_CALLER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -50,6 +53,9 @@ if "DLOOP_JAX_CACHE" not in os.environ:
 _XLA_CACHE = os.environ["DLOOP_JAX_CACHE"]
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.devices()  # the backend reads XLA_FLAGS now
+if _CALLER_XLA_FLAGS is None:
+  del os.environ["XLA_FLAGS"]
 
 
 @pytest.fixture(autouse=True, scope="module")

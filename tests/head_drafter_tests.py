@@ -80,7 +80,7 @@ def _held_prompts(held, start, batch):
 
 
 # ------------------------------------------------------------------ lossless
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [3])  # rows are independent; batch 1: test_engine_greedy
 def test_greedy_lossless(learnable, drafters, kind, batch):
   target, _, held = learnable
   for start in (0, 3):  # two prompt sets
