@@ -54,6 +54,8 @@ _XLA_CACHE = os.environ["DLOOP_JAX_CACHE"]
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.devices()  # the backend reads XLA_FLAGS now
+# A child process that must compute exactly as this one passes these flags.
+os.environ["DLOOP_TEST_XLA_FLAGS"] = os.environ["XLA_FLAGS"]
 if _CALLER_XLA_FLAGS is None:
   del os.environ["XLA_FLAGS"]
 

@@ -238,8 +238,11 @@ _CHILD = textwrap.dedent("""
 
 def test_killed_build_resumes_with_finished_chunks(tmp_path):
   out_dir = str(tmp_path / "killed")
+  # The child's chunks are compared bit for bit with this process's: same XLA flags.
+  env = dict(os.environ, XLA_FLAGS=os.environ["DLOOP_TEST_XLA_FLAGS"])
   child = subprocess.Popen([sys.executable, "-c", _CHILD, out_dir, json.dumps(RESUME_BUILD)],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           env=env)
   try:
     # Blocks until the child parks (or dies: then stdout ends).
     lines = iter(child.stdout.readline, "")
