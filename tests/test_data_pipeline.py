@@ -130,11 +130,18 @@ def test_seeded_shuffle_and_epochs(dataset):
 
 def test_two_processes_see_disjoint_shards(dataset):
   out_dir, examples = dataset
-  shards = [[r for b in _it(out_dir, shard_index=i, shard_count=2, batch_size=3, num_epochs=1)
-             for r in _rows(b)] for i in range(2)]
+  batches = [list(_it(out_dir, shard_index=i, shard_count=2, batch_size=3, num_epochs=1))
+             for i in range(2)]
+  shards = [[r for b in bs for r in _rows(b)] for bs in batches]
   assert len(shards[0]) == len(shards[1]) == 15
   assert not set(shards[0]) & set(shards[1])
   assert set(shards[0]) | set(shards[1]) == set(_by_tokens(examples))
+  # Together they are the batches of one process with the global batch size.
+  one = list(_it(out_dir, shard_index=0, shard_count=1, batch_size=6, num_epochs=1))
+  assert len(one) == len(batches[0]) == len(batches[1]) == 5
+  for whole, first, second in zip(one, *batches):
+    for key in pipeline.BATCH_KEYS:
+      np.testing.assert_array_equal(whole[key], np.concatenate([first[key], second[key]]))
   with pytest.raises(ConfigError, match="shard_index"):
     _it(out_dir, shard_index=2, shard_count=2)
 

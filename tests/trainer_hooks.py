@@ -29,21 +29,38 @@ def load_config_file(name: str, recipe: str = "") -> ConfigDict:
   return module.get_config(recipe) if recipe else module.get_config()
 
 
+# configs/tiny_eagle3.py made small and quiet, with the stand-in plugged in.
+TINY_OVERRIDES = {
+    "num_steps": 12, "log_every_steps": 2, "checkpoint.every_steps": 4,
+    "data.num_examples": 64, "data.seq_len": 32, "progress_bar": False, "tensorboard": False,
+}
+
+
+def _set(c: ConfigDict, dotted: str, value) -> None:
+  *parents, leaf = dotted.split(".")
+  node = c
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+
+
 def tiny_config(*, recipe: str = "", hooks: str = STANDIN, **overrides) -> ConfigDict:
-  """configs/tiny_eagle3.py, small and quiet, with the stand-in plugged in."""
+  """configs/tiny_eagle3.py, small and quiet, with the stand-in plugged in.
+
+  `overrides`: config keys with `__` for dots (`checkpoint__every_steps=2`).
+  """
   c = load_config_file("tiny_eagle3.py", recipe)
   c.hooks = hooks
-  c.num_steps = 12
-  c.log_every_steps = 2
-  c.checkpoint.every_steps = 4
-  c.data.num_examples = 64
-  c.data.seq_len = 32
-  c.progress_bar = False
-  c.tensorboard = False
+  for key, value in TINY_OVERRIDES.items():
+    _set(c, key, value)
   for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split("__")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    _set(c, key.replace("__", "."), value)
   return c
+
+
+def tiny_flags(**overrides) -> list[str]:
+  """The `--config.*` flags that make `python -m train --config configs/tiny_eagle3.py`
+  run `tiny_config(**overrides)`."""
+  settings = dict(TINY_OVERRIDES, hooks=STANDIN)
+  settings.update({k.replace("__", "."): v for k, v in overrides.items()})
+  return [f"--config.{k}={v}" for k, v in settings.items()]

@@ -14,6 +14,10 @@ position and its token embedding (shared with the target, frozen):
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import grain
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 import dloop_jax.decoding  # noqa: F401  (before drafters.base: they import each other)
+from dloop_jax.data import pipeline
 from dloop_jax.drafters import base as base_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import default_taps
@@ -90,30 +95,76 @@ def loss_fn(drafter, batch, key, *, objective, cfg):
   return loss, {"acc_1": acc, "expected_acceptance_length": 1.0 + acc}
 
 
+@nnx.jit(static_argnames="taps")
+def _tapped(target, tokens, positions, *, taps):
+  # One compiled program rather than one per operation: every process of a
+  # multi-process test builds these examples.
+  cache = target.init_cache(batch_size=tokens.shape[0], capacity=tokens.shape[1])
+  return target(tokens, positions=positions, cache=cache, taps=taps).taps
+
+
 def make_examples(target, *, taps, num_examples: int, seq_len: int, seed: int):
   """Random prompts answered by nobody: tokens plus the target's taps there."""
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, target.config.vocab_size, (num_examples, seq_len), dtype=np.int32)
-  cache = target.init_cache(batch_size=num_examples, capacity=seq_len)
   positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (num_examples, seq_len))
-  out = target(jnp.asarray(tokens), positions=jnp.asarray(positions), cache=cache, taps=taps)
-  features = np.asarray(out.taps, np.float16)
+  features = np.asarray(_tapped(target, jnp.asarray(tokens), jnp.asarray(positions),
+                                taps=tuple(taps)), np.float16)
   return [{"tokens": tokens[i], "loss_mask": np.ones(seq_len, np.int32),
            "features": features[i], "segment_ids": np.ones(seq_len, np.int32),
            "positions": positions[i].copy()} for i in range(num_examples)]
 
 
+# A run started with this variable set to N SIGKILLs itself once its checkpoint
+# of step N is on disk, before step N + 1: every process of a multi-process run
+# dies at the same point, which a kill from outside cannot promise.
+KILL_AFTER_CHECKPOINT = "DLOOP_STANDIN_KILL_AFTER_CHECKPOINT"
+
+
+class _KillAfterCheckpoint:
+  """Iterator wrapper: SIGKILLs the process when batch `step` (0-based) is asked for."""
+
+  def __init__(self, iterator, *, checkpoint_dir: str, step: int):
+    self._it, self._dir, self._step, self._served = iterator, checkpoint_dir, step, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self._served == self._step:
+      # The save of step N is asynchronous: wait until it is committed.
+      deadline = time.monotonic() + 120
+      while not os.path.isdir(os.path.join(self._dir, str(self._step))):
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"checkpoint {self._step} never appeared in {self._dir}")
+        time.sleep(0.01)
+      os.kill(os.getpid(), signal.SIGKILL)
+    self._served += 1
+    return next(self._it)
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state):
+    self._it.set_state(state)
+
+
 def make_iterator(config, *, target, drafter, workdir, batch_size, shard_index, shard_count):
-  del workdir
   d = config.data
   taps = tuple(d.options.get("taps", drafter.taps))
   examples = make_examples(target.model, taps=taps, num_examples=int(d.num_examples),
                            seq_len=int(d.seq_len), seed=int(d.shuffle_seed))
-  ds = (grain.MapDataset.source(examples)[shard_index::shard_count]
-        .shuffle(seed=int(d.shuffle_seed)).repeat(None).batch(batch_size, drop_remainder=True))
+  # As the real pipeline: the global batches do not depend on the process count.
+  ds = grain.MapDataset.source(examples).shuffle(seed=int(d.shuffle_seed)).repeat(None)
+  ds = pipeline.process_rows(ds, batch_size=batch_size, shard_index=shard_index,
+                             shard_count=shard_count)
   info = {"taps": list(taps), "target_name": target.name,
           "fingerprint": dict(target.model.config.fingerprint)}
-  return iter(ds.to_iter_dataset()), info
+  iterator = iter(ds.to_iter_dataset())
+  if os.environ.get(KILL_AFTER_CHECKPOINT):
+    iterator = _KillAfterCheckpoint(iterator, checkpoint_dir=os.path.join(workdir, "checkpoints"),
+                                    step=int(os.environ[KILL_AFTER_CHECKPOINT]))
+  return iterator, info
 
 
 def check_dataset(info, *, drafter, target):

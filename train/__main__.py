@@ -1,11 +1,13 @@
 """Trains a drafter.
 
     python -m train --config configs/<name>.py[:recipe] --workdir DIR [--config.key=value ...]
+        [--coordinator_address HOST:PORT --num_processes N --process_id I]
 
 Rerunning the same command resumes from the newest complete checkpoint in
 DIR/checkpoints. At the end the drafter alone is exported to DIR/export,
 which `dloop_jax.drafters.io.load_drafter` and `python -m infer --drafter`
-read. See docs/training.md.
+read. A multi-process (pod) run starts the same command in every process;
+see docs/training.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory: checkpoints, metrics.jsonl, export/.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "Multi-process runs: host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS;"
+    " detected under SLURM, Open MPI and on Cloud TPU).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-process runs: processes in the job (default: $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-process runs: this process, 0 .. num_processes - 1 (default:"
+    " $JAX_PROCESS_ID).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 _QUIET_MODULES = ("orbax", "etils", "tensorstore")
@@ -123,7 +134,9 @@ def main(argv: Sequence[str]) -> None:
 
   config = _CONFIG.value
   try:
-    trainer.maybe_initialize_distributed(config.distributed)
+    trainer.maybe_initialize_distributed(
+        config.distributed, coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
     result = trainer.train(config, _WORKDIR.value)
   except DLoopError as e:
     _fail(str(e))

@@ -14,13 +14,21 @@ or a data_dir holding exactly one target_responses dataset.
 Stages:
 
     MapDataset.source(TFDS array_record data source)
+      pack=False (padded rows):
+      -> shuffle(seed), reshuffled every epoch -> repeat(num_epochs; None = forever)
+      -> truncate and pad to seq_len
+      -> this process's rows of each global batch (`process_rows`): the global
+         batches are the same for any process count, so a pod run computes
+         what one process with as many devices would
+      pack=True (first-fit packed rows):
       -> per-process shard: examples [shard_index::shard_count] of the first
          shard_count * floor(N / shard_count) (every process gets the same
-         number of examples, so multi-host steps stay in lockstep)
-      -> shuffle(seed), reshuffled every epoch -> repeat(num_epochs; None = forever)
-      -> truncate to seq_len -> pad to seq_len (pack=False), or first-fit pack
-         several examples per row (pack=True)
-      -> batch(batch_size, drop_remainder=True) -> iterator
+         number of examples, so multi-host steps stay in lockstep); which
+         examples share a row depends on the process count
+      -> shuffle(seed), reshuffled every epoch -> repeat(num_epochs)
+      -> truncate to seq_len -> first-fit pack several examples per row
+      -> batch(batch_size, drop_remainder=True)
+      -> iterator
 
 Batch (B = batch_size rows of this process, T = seq_len):
 
@@ -237,13 +245,12 @@ def make_dataset(
     raise ConfigError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}.")
   src = source if source is not None else data_source(path, split=split)
   ds = grain.MapDataset.source(src)
-  n = len(ds) - len(ds) % shard_count
-  if n == 0:
-    raise ConfigError(f"The dataset has {len(ds)} examples, fewer than the {shard_count}"
-                      " processes that share it.")
-  ds = ds[:n][shard_index::shard_count]
-  ds = ds.shuffle(seed=seed).repeat(num_epochs)
   if pack:
+    n = len(ds) - len(ds) % shard_count
+    if n == 0:
+      raise ConfigError(f"The dataset has {len(ds)} examples, fewer than the {shard_count}"
+                        " processes that share it.")
+    ds = ds[:n][shard_index::shard_count].shuffle(seed=seed).repeat(num_epochs)
     ds = ds.map(lambda x: _truncated(x, seq_len)).to_iter_dataset()
     lengths = {k: seq_len for k in _SEQUENCE_KEYS}
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -251,11 +258,38 @@ def make_dataset(
         seed=seed, shuffle_bins=True)
     ds = ds.map(_from_packed).batch(batch_size, drop_remainder=True)
   else:
-    ds = ds.map(lambda x: _padded(x, seq_len)).batch(batch_size, drop_remainder=True)
-    ds = ds.to_iter_dataset()
+    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(lambda x: _padded(x, seq_len))
+    ds = process_rows(ds, batch_size=batch_size, shard_index=shard_index,
+                      shard_count=shard_count).to_iter_dataset()
   if worker_count > 0:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
   return ds
+
+
+def process_rows(ds: grain.MapDataset, *, batch_size: int, shard_index: int,
+                 shard_count: int) -> grain.MapDataset:
+  """This process's rows of every global batch of a (shuffled) example stream.
+
+  Global batch b is examples [b * G, (b + 1) * G) of `ds`, G = shard_count *
+  batch_size; process i gets its rows [i * batch_size, (i + 1) * batch_size),
+  so the global batch, and with it every loss and update, is the same for any
+  number of processes. Only those rows are read (random access).
+
+  Args:
+    ds: examples in training order (already shuffled and repeated).
+    batch_size: rows per batch of this process.
+    shard_index / shard_count: this process and the process count.
+
+  Returns:
+    A MapDataset of batches (dicts of [batch_size, ...] arrays).
+  """
+  blocks = ds.batch(batch_size, drop_remainder=True)
+  # Whole global batches only: every process takes as many steps.
+  usable = len(blocks) - len(blocks) % shard_count
+  if usable == 0:
+    raise ConfigError(f"The dataset has {len(ds)} examples, fewer than one global batch of"
+                      f" {shard_count} x {batch_size}.")
+  return blocks[:usable][shard_index::shard_count]
 
 
 def make_train_iterator(

@@ -18,11 +18,12 @@ from typing import Any
 import ml_collections
 
 from dloop_jax.errors import ConfigError
+from dloop_jax.training import distributed as distributed_lib
 from dloop_jax.training import sharding as sharding_lib
 
 OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
 DTYPES = ("float32", "bfloat16")
-DISTRIBUTED_MODES = ("auto", "on", "off")
+DISTRIBUTED_MODES = distributed_lib.MODES
 FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
 
 

@@ -21,6 +21,7 @@ at any point and restarted reproduces the uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import json
@@ -48,6 +49,7 @@ from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
+from dloop_jax.training import distributed as distributed_lib
 from dloop_jax.training import optim as optim_lib
 from dloop_jax.training import sharding as sharding_lib
 
@@ -216,25 +218,29 @@ def load_hooks(spec: str) -> TrainHooks:
 
 
 # -------------------------------------------------------------- distributed
-def maybe_initialize_distributed(mode: str) -> None:
-  """`jax.distributed.initialize()` for multi-host runs.
+def maybe_initialize_distributed(mode: str, **explicit: Any) -> None:
+  """`jax.distributed.initialize()` for multi-process runs; see `distributed.plan`.
 
-  "auto" initializes when the environment describes a multi-process job (an
-  explicit coordinator, or a SLURM / Open MPI launch of more than one task);
-  on Cloud TPU pods use "on" (initialize() discovers the pod itself).
-  Must run before anything touches a device.
+  `explicit`: coordinator_address / num_processes / process_id (None: from the
+  environment). Must run before anything touches a device.
   """
-  if mode == "off":
-    return
-  env = os.environ
-  multi = (bool(env.get("JAX_COORDINATOR_ADDRESS"))
-           or int(env.get("SLURM_NTASKS", "1") or 1) > 1
-           or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1)
-  if mode == "on" or multi:
-    jax.distributed.initialize()
-    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
-                 jax.process_index(), jax.process_count(), jax.local_device_count(),
-                 jax.device_count())
+  distributed_lib.initialize(mode, **explicit)
+
+
+def check_same_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError unless every process of the run has this config.
+
+  Processes started with different settings would deadlock at the first
+  collective whose shapes differ, or silently train on mismatched steps.
+  """
+  text = json.dumps(config_lib.to_plain(config), sort_keys=True, default=str)
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
+  differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+  if differ:
+    raise ConfigError(f"Processes {differ} were started with another training config than process"
+                      " 0: start every process with the same --config file and --config.*"
+                      " overrides (only --process_id differs).")
 
 
 # --------------------------------------------------------------- the state
@@ -274,6 +280,8 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, *, hooks: TrainHooks | None = None,
                devices: list[jax.Device] | None = None):
     config_lib.validate(config)
+    if jax.process_count() > 1:
+      check_same_config(config)
     self.config = config
     self.hooks = hooks or load_hooks(config.hooks)
     self.mesh = sharding_lib.make_mesh(config.mesh, devices=devices)
