@@ -3,7 +3,7 @@
     python -m infer --prompt "What is 2 + 2?"
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
-    python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash checkpoint (config.json + safetensors)
+    python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
     python -m infer --mode dloop --drafter PATH --tree-budget 8   # top-8 draft trees per stage
 """
@@ -33,7 +33,7 @@ def _parse(argv):
   p.add_argument("--mode", choices=("ar", "sd", "dloop"), default=None,
                  help="default: dloop when a drafter is available for the target, else ar")
   p.add_argument("--drafter", help="drafter name, exported drafter directory, or an EAGLE-3 /"
-                                    " DFlash checkpoint directory in its Hugging Face layout"
+                                    " DFlash / DSpark / Domino checkpoint directory in its Hugging Face layout"
                                     " (default: the best drafter shipped for the target)")
   p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")

@@ -1,4 +1,5 @@
-"""Public drafter checkpoints (EAGLE-3, DFlash Hugging Face layouts): read, write, check.
+"""Public drafter checkpoints (EAGLE-3, DFlash, DSpark, Domino Hugging Face layouts): read,
+write, check.
 
 Checkpoints are written here in the reference layouts with torch, and their
 forward is re-implemented here in PyTorch from the reference description
@@ -114,24 +115,71 @@ def eagle3_checkpoint(path, *, draft_vocab: int = 48, prefix: str = "midlayer.",
   return str(path), {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
 
 
-def dflash_checkpoint(path, *, layers: int = 2, block_size: int = 5, mask_token_id: int = 63,
-                      taps=(0, 1, 3), seed: int = 0, **config_overrides):
-  """Writes a DFlash drafter as z-lab does; returns (dir, tensors)."""
-  gen = torch.Generator().manual_seed(seed)
+def _backbone(gen, *, layers: int, taps) -> tuple[dict, dict]:
+  """The DFlash backbone's tensors and config.json fields (DSpark and Domino share them)."""
   tensors = {}
   for i in range(layers):
     tensors.update(_layer_tensors(gen, f"layers.{i}.", D, qk_norm=True))
   tensors["fc.weight"] = 0.2 * torch.randn(D, len(taps) * D, generator=gen)
   tensors["hidden_norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=gen)
   tensors["norm.weight"] = 1.0 + 0.1 * torch.randn(D, generator=gen)
-  config = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=D,
-                intermediate_size=FF, num_attention_heads=HEADS, num_key_value_heads=KV,
-                head_dim=HD, num_hidden_layers=layers, vocab_size=V, rms_norm_eps=EPS,
-                rope_theta=THETA, max_position_embeddings=256, block_size=block_size,
-                num_target_layers=L,
+  config = dict(model_type="qwen3", hidden_size=D, intermediate_size=FF,
+                num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
+                num_hidden_layers=layers, vocab_size=V, rms_norm_eps=EPS, rope_theta=THETA,
+                max_position_embeddings=256, num_target_layers=L)
+  return tensors, config
+
+
+def dflash_checkpoint(path, *, layers: int = 2, block_size: int = 5, mask_token_id: int = 63,
+                      taps=(0, 1, 3), seed: int = 0, **config_overrides):
+  """Writes a DFlash drafter as z-lab does; returns (dir, tensors)."""
+  tensors, config = _backbone(torch.Generator().manual_seed(seed), layers=layers, taps=taps)
+  config.update(architectures=["DFlashDraftModel"], block_size=block_size,
                 dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(taps)})
   config.update(config_overrides)
   return _save(path, config, tensors, fmt="safetensors"), tensors
+
+
+def dspark_checkpoint(path, target, *, block_size: int = 4, mask_token_id: int = 62,
+                      taps=(0, 1, 3), rank: int = 8, seed: int = 0, **config_overrides):
+  """Writes a DSpark drafter as DeepSpec does (frozen copies of the target's embedding and
+  head included); returns (dir, tensors)."""
+  gen = torch.Generator().manual_seed(seed)
+  tensors, config = _backbone(gen, layers=2, taps=taps)
+  tensors.update({
+      "markov_head.markov_w1.weight": 0.5 * torch.randn(V, rank, generator=gen),
+      "markov_head.markov_w2.weight": 0.5 * torch.randn(V, rank, generator=gen),
+      "confidence_head.proj.weight": 0.3 * torch.randn(1, D + rank, generator=gen),
+      "confidence_head.proj.bias": 0.1 * torch.randn(1, generator=gen),
+      "embed_tokens.weight": torch.as_tensor(np.array(target.embed[...])),
+      "lm_head.weight": torch.as_tensor(np.array(target.lm_head[...])).T.contiguous(),
+  })
+  config.update(architectures=["Qwen3DSparkModel"], block_size=block_size,
+                mask_token_id=mask_token_id, target_layer_ids=list(taps), markov_rank=rank,
+                markov_head_type="vanilla", enable_confidence_head=True)
+  config.update(config_overrides)
+  return _save(path, config, tensors, fmt="safetensors"), tensors
+
+
+def domino_checkpoint(path, *, block_size: int = 4, mask_token_id: int = 61, taps=(0, 1, 3),
+                      gru: int = 12, rank: int = 10, prefix: str = "", seed: int = 0,
+                      **options):
+  """Writes a Domino drafter as Domino / SpecForge do; returns (dir, tensors without prefix)."""
+  gen = torch.Generator().manual_seed(seed)
+  tensors, config = _backbone(gen, layers=2, taps=taps)
+  head = {
+      "prefix_gru.weight_ih_l0": 0.4 * torch.randn(3 * gru, D, generator=gen),
+      "prefix_gru.weight_hh_l0": 0.4 * torch.randn(3 * gru, gru, generator=gen),
+      "embed_proj.0.weight": 0.4 * torch.randn(rank, D + gru, generator=gen),
+      "embed_proj.2.weight": 0.4 * torch.randn(V, rank, generator=gen),
+  }
+  dflash = {"mask_token_id": mask_token_id, "target_layer_ids": list(taps),
+            "projector_type": "domino", "pure_draft_prefix_len": 1, "gru_hidden_dim": gru,
+            "shift_label": True, **options}
+  config.update(architectures=["DominoDraftModel"], block_size=block_size, emb_dim=rank,
+                dflash_config=dflash)
+  _save(path, config, {**tensors, **{prefix + k: v for k, v in head.items()}}, fmt="safetensors")
+  return str(path), {**tensors, **head}
 
 
 # ------------------------------------------------- reference forward (torch)
@@ -207,19 +255,25 @@ class Eagle3Reference:
 
 def dflash_reference(w, *, embed, head, features, anchor, block_size, mask_token_id, layers):
   """DFlash's block forward over target context at positions < n: logits [B - 1, V]."""
+  out = _dflash_hidden(w, embed=embed, features=features, layers=layers,
+                       tokens=[anchor] + [mask_token_id] * (block_size - 1))
+  return (out[1:] @ torch.as_tensor(np.array(head))).numpy()
+
+
+def _dflash_hidden(w, *, embed, features, tokens, layers):
+  """DFlash's backbone over target context at positions < n: final-norm outputs [len(tokens), D]."""
   embed = torch.as_tensor(np.array(embed))
-  n = features.shape[0]
+  n, b = features.shape[0], len(tokens)
   ctx = _rms(F.linear(torch.as_tensor(features).reshape(n, -1), w["fc.weight"]),
              w["hidden_norm.weight"])
-  h = embed[torch.tensor([anchor] + [mask_token_id] * (block_size - 1))]
-  pos_q = list(range(n, n + block_size))
-  pos_k = list(range(n + block_size))
-  full = torch.ones(block_size, n + block_size, dtype=torch.bool)
+  h = embed[torch.tensor(tokens)]
+  pos_q, pos_k = list(range(n, n + b)), list(range(n + b))
+  full = torch.ones(b, n + b, dtype=torch.bool)
   for i in range(layers):
     p = f"layers.{i}."
     x = _rms(h, w[p + "input_layernorm.weight"])
     kv_in = torch.cat([ctx, x])  # the context skips input_layernorm
-    q = _rms(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(block_size, HEADS, HD),
+    q = _rms(F.linear(x, w[p + "self_attn.q_proj.weight"]).view(b, HEADS, HD),
              w[p + "self_attn.q_norm.weight"])
     k = _rms(F.linear(kv_in, w[p + "self_attn.k_proj.weight"]).view(-1, KV, HD),
              w[p + "self_attn.k_norm.weight"])
@@ -227,8 +281,53 @@ def dflash_reference(w, *, embed, head, features, anchor, block_size, mask_token
     h = h + F.linear(_attend(_rope(q, pos_q), _rope(k, pos_k), v, full),
                      w[p + "self_attn.o_proj.weight"])
     h = h + _mlp(_rms(h, w[p + "post_attention_layernorm.weight"]), w, p)
-  out = _rms(h, w["norm.weight"])
-  return (out[1:] @ torch.as_tensor(np.array(head))).numpy()
+  return _rms(h, w["norm.weight"])
+
+
+def dspark_reference(w, *, features, anchor, block_size, mask_token_id):
+  """DSpark's greedy block: [anchor, mask x (B - 1)], all B outputs drafts, each with the
+  Markov bias of the token before it and a confidence. Returns (logits [B, V], tokens, conf)."""
+  z = _dflash_hidden(w, embed=w["embed_tokens.weight"], features=features,
+                     tokens=[anchor] + [mask_token_id] * (block_size - 1), layers=2)
+  base = F.linear(z, w["lm_head.weight"])
+  w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+  prev, logits, tokens, conf = anchor, [], [], []
+  for k in range(block_size):
+    lg = base[k] + F.linear(w1[prev], w2)
+    c = torch.sigmoid(F.linear(torch.cat([z[k], w1[prev]]), w["confidence_head.proj.weight"],
+                               w["confidence_head.proj.bias"]))
+    prev = int(lg.argmax())
+    logits.append(lg)
+    tokens.append(prev)
+    conf.append(float(c))
+  return torch.stack(logits).numpy(), tokens, np.array(conf)
+
+
+def domino_reference(w, *, embed, head, features, anchor, block_size, mask_token_id):
+  """Domino's greedy block: a bias-free torch GRU over the realised tokens (anchor first)
+  corrects every output but the first. Returns (logits [B, V], tokens)."""
+  embed = torch.as_tensor(np.array(embed))
+  z = _dflash_hidden(w, embed=embed, features=features,
+                     tokens=[anchor] + [mask_token_id] * (block_size - 1), layers=2)
+  base = z @ torch.as_tensor(np.array(head))
+  g = w["prefix_gru.weight_hh_l0"].shape[1]
+  gru = torch.nn.GRU(D, g, bias=False, batch_first=True)
+  with torch.no_grad():
+    gru.weight_ih_l0.copy_(w["prefix_gru.weight_ih_l0"])
+    gru.weight_hh_l0.copy_(w["prefix_gru.weight_hh_l0"])
+    _, s = gru(embed[anchor][None, None])
+    logits, tokens = [], []
+    for i in range(block_size):
+      lg = base[i]
+      if i:
+        x = torch.cat([z[i], s[0, 0]])
+        lg = lg + F.linear(F.silu(F.linear(x, w["embed_proj.0.weight"])),
+                           w["embed_proj.2.weight"])
+      token = int(lg.argmax())
+      logits.append(lg)
+      tokens.append(token)
+      _, s = gru(embed[token][None, None], s)
+  return torch.stack(logits).numpy(), tokens
 
 
 # ----------------------------------------------------------- our forwards
@@ -291,6 +390,38 @@ def _assert_same_weights(a, b):
   assert sorted(fa) == sorted(fb)
   for k in fa:
     np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+@nnx.jit(static_argnums=3)
+def _head_program(drafter, features, next_tokens, gamma):
+  """A DSpark / Domino stage after committing the context: its greedy drafts, their
+  confidences, and the logits of every position given the drafts before it [gamma, V]."""
+  state = _commit(drafter, features, next_tokens)
+  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=gamma, sampling=GREEDY)
+  _, h = drafter.backbone_stage(state, gamma)
+  prev = jnp.concatenate([state.anchor[:, None], stage.tokens[:, :-1]], axis=1)
+  if hasattr(drafter, "markov_bias"):
+    logits = drafter.head_logits(h, prev)
+  else:
+    _, logits = drafter.corrected_logits(h, prev)
+  return logits[0], stage.tokens[0], stage.confidence
+
+
+def _head_ours(drafter, features, next_tokens, gamma):
+  logits, tokens, conf = _head_program(drafter, jnp.asarray(features), jnp.asarray(next_tokens),
+                                       gamma)
+  return np.asarray(logits), np.asarray(tokens).tolist(), (
+      None if conf is None else np.asarray(conf)[0])
+
+
+def _written_back_exactly(source: str, path: str, target):
+  """The layout written at `path` holds `source`'s tensors bit for bit; returns it loaded."""
+  written = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+  original = safetensors.torch.load_file(os.path.join(source, "model.safetensors"))
+  assert sorted(written) == sorted(original)
+  for k in original:
+    torch.testing.assert_close(written[k], original[k], rtol=0, atol=0, msg=k)
+  return drafter_io.load_drafter(path, target=target)
 
 
 # ------------------------------------------------------------------ tests
@@ -386,12 +517,7 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
   assert config["architectures"] == ["DFlashDraftModel"]
   assert config["dflash_config"]["mask_token_id"] == 11 and config["block_size"] == 5
   assert config["dflash_config"]["target_layer_ids"] == [0, 1, 3]
-  written = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
-  original = safetensors.torch.load_file(os.path.join(source, "model.safetensors"))
-  assert sorted(written) == sorted(original)
-  for k in original:
-    torch.testing.assert_close(written[k], original[k], rtol=0, atol=0, msg=k)
-  loaded = drafter_io.load_drafter(path, target=target)
+  loaded = _written_back_exactly(source, path, target)
   _assert_same_weights(drafter, loaded)
   features = _features(4, 6, 3)
   next_tokens = np.arange(6) + 7
@@ -440,8 +566,8 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
   edit_config(path, eagle_config=None, architectures=["FancyDraftModel"], draft_vocab_size=None)
   with pytest.raises(CheckpointFormatError, match="FancyDraftModel"):
     load()
-  edit_config(path, architectures=["DominoDraftModel"])
-  with pytest.raises(CheckpointFormatError, match="shifted labels"):
+  edit_config(path, architectures=["DFlash2DraftModel"])
+  with pytest.raises(CheckpointFormatError, match="dynamic convolutions"):
     load()
 
   # Tensors: missing, misshapen, unexpected, and a truncated file.
@@ -591,3 +717,84 @@ def _stage(drafter, features, next_tokens):
   _, stage = nnx.jit(lambda d, s: d.draft_stage(s, key=jax.random.key(0), block_size=4,
                                                 sampling=GREEDY))(drafter, state)
   return np.asarray(stage.tokens), np.asarray(stage.logprobs)
+
+
+def test_dspark_checkpoint_matches_reference_forward(target, tmp_path):
+  path, w = dspark_checkpoint(tmp_path / "dspark", target, block_size=4, mask_token_id=62)
+  drafter = drafter_io.load_drafter(path, target=target)
+  assert drafter.spec.kind == "dspark" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
+  assert drafter.spec.markov_rank == 8 and drafter.spec.enable_confidence_head
+  features = _features(5, 6, 3)
+  next_tokens = np.random.default_rng(3).integers(0, V, 6)
+  want_logits, want_tokens, want_conf = dspark_reference(
+      w, features=features, anchor=int(next_tokens[-1]), block_size=4, mask_token_id=62)
+  logits, tokens, conf = _head_ours(drafter, features, next_tokens, 4)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  assert tokens == want_tokens
+  np.testing.assert_allclose(conf, want_conf, rtol=1e-5, atol=1e-6)
+
+
+def test_domino_checkpoint_matches_reference_forward(target, tmp_path):
+  # Older files keep the head under `logit_head.`.
+  path, w = domino_checkpoint(tmp_path / "domino", block_size=4, mask_token_id=61,
+                              prefix="logit_head.")
+  drafter = drafter_io.load_drafter(path, target=target)
+  assert drafter.spec.kind == "domino" and drafter.block_size == 4
+  assert (drafter.spec.gru_hidden_size, drafter.spec.correction_rank) == (12, 10)
+  features = _features(6, 6, 3)
+  next_tokens = np.random.default_rng(4).integers(0, V, 6)
+  want_logits, want_tokens = domino_reference(
+      w, embed=target.embed[...], head=target.lm_head[...], features=features,
+      anchor=int(next_tokens[-1]), block_size=4, mask_token_id=61)
+  logits, tokens, _ = _head_ours(drafter, features, next_tokens, 4)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  assert tokens == want_tokens
+
+
+@pytest.mark.parametrize("kind", ["dspark", "domino"])
+def test_head_drafters_round_trip_through_their_layouts(target, tmp_path, kind):
+  if kind == "dspark":
+    source, _ = dspark_checkpoint(tmp_path / "source", target, seed=2)
+  else:
+    source, _ = domino_checkpoint(tmp_path / "source", seed=2)
+  drafter = drafter_io.load_drafter(source, target=target)
+  path = drafter_io.export_drafter(drafter, tmp_path / "hf", format="hf")
+  assert hf_format.detect_kind(json.load(open(os.path.join(path, "config.json")))) == kind
+  loaded = _written_back_exactly(source, path, target)
+  _assert_same_weights(drafter, loaded)
+  assert loaded.spec == drafter.spec
+  features = _features(7, 6, 3)
+  next_tokens = np.arange(6) + 5
+  a, b = (_head_ours(d, features, next_tokens, 4) for d in (drafter, loaded))
+  np.testing.assert_array_equal(a[0], b[0])
+  assert a[1] == b[1]
+  # A freshly built one learns its mask vector: the layouts store a mask token id.
+  fresh = build_drafter(dict(drafter_io.drafter_config_of(drafter)), target=target,
+                        rngs=nnx.Rngs(0))
+  with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
+    drafter_io.export_drafter(fresh, tmp_path / "fresh", format="hf")
+
+
+def test_head_drafter_checkpoints_we_cannot_use(target, tmp_path):
+  def load(path):
+    return drafter_io.load_drafter(path, target=target)
+
+  path, _ = dspark_checkpoint(tmp_path / "a", target, target_layer_ids=[-1, 1, 3])
+  with pytest.raises(CheckpointFormatError, match="input embeddings"):
+    load(path)
+  path, _ = dspark_checkpoint(tmp_path / "b", target, markov_head_type="gated")
+  with pytest.raises(CheckpointFormatError, match="markov_head_type='gated'"):
+    load(path)
+  path, w = dspark_checkpoint(tmp_path / "c", target)
+  w["lm_head.weight"] = w["lm_head.weight"] + 1.0  # trained against another target's head
+  safetensors.torch.save_file(w, os.path.join(path, "model.safetensors"))
+  with pytest.raises(DrafterMismatchError, match="'lm_head.weight' is not the target's"):
+    load(path)
+  path, _ = domino_checkpoint(tmp_path / "d", pure_draft_prefix_len=2)
+  with pytest.raises(CheckpointFormatError, match="pure_draft_prefix_len=2"):
+    load(path)
+  path, w = domino_checkpoint(tmp_path / "e")
+  w["prefix_gru.bias_ih_l0"] = torch.zeros(36)
+  safetensors.torch.save_file(w, os.path.join(path, "model.safetensors"))
+  with pytest.raises(CheckpointFormatError, match="prefix_gru.bias_ih_l0"):
+    load(path)

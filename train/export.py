@@ -4,10 +4,11 @@
     python -m train.export --drafter smollm2-135m-instruct-block --out hf/block --format hf
     python -m train.export --drafter HF_DIR --target TARGET --out ours/eagle3   # HF -> ours
 
---format hf writes config.json + model.safetensors in SpecForge's EAGLE-3 or
-z-lab's DFlash layout (servable by SGLang / vLLM); --format dloop (default)
-writes our own export (drafter.json + arrays/). The target defaults to the one
-our export names. See docs/checkpoint_formats.md.
+--format hf writes config.json + model.safetensors in the public layout of the
+drafter's kind (SpecForge's EAGLE-3, z-lab's DFlash, DeepSpec's DSpark, Domino's;
+servable by SGLang / vLLM); --format dloop (default) writes our own export
+(drafter.json + arrays/). The target defaults to the one our export names. See
+docs/checkpoint_formats.md.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ def _parse(argv):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--drafter", required=True,
                  help="shipped drafter name, our export directory, training workdir, or an"
-                      " EAGLE-3 / DFlash Hugging Face directory")
+                      " EAGLE-3 / DFlash / DSpark / Domino Hugging Face directory")
   p.add_argument("--out", required=True, help="output directory")
   p.add_argument("--format", choices=("dloop", "hf"), default="dloop",
                  help="dloop: our export (drafter.json + arrays/); hf: config.json +"
-                      " model.safetensors (EAGLE-3 / DFlash layout)")
+                      " model.safetensors (EAGLE-3 / DFlash / DSpark / Domino layout)")
   p.add_argument("--target", default=None,
                  help="target the drafter belongs to: registry name, .gguf or HF directory"
                       " (default: the target our export names)")

@@ -17,9 +17,10 @@ directory holding it holds a complete export.
 Names (not paths) resolve to drafters shipped in the package, under
 `dloop_jax/drafters/weights/<name>/`.
 
-Directories in the public Hugging Face layouts of EAGLE-3 and DFlash drafters
+Directories in the public Hugging Face layouts of EAGLE-3, DFlash, DSpark and Domino
+drafters
 (config.json + safetensors) load too, and `export_drafter(..., format="hf")`
-writes them (`hf_format.py`).
+writes them (`hf_format/`).
 """
 
 from __future__ import annotations
