@@ -88,7 +88,7 @@ _SCRIPT = textwrap.dedent(r"""
                           for k in base["params"]))
     # The multi-process test's reference: one process, 8 devices, the run
     # its two processes x 4 devices make from the command line.
-    trainer_lib.train(trainer_hooks.tiny_config(log_every_steps=1),
+    trainer_lib.train(trainer_hooks.tiny_config(**trainer_hooks.MULTIHOST_SETTINGS),
                       os.environ["REFERENCE_WORKDIR"])
     print("RESULT" + json.dumps(out))
 """)
@@ -179,9 +179,9 @@ KILL_AFTER = 8
 
 
 def _command(workdir: str, *extra: str) -> list[str]:
-  """The reference run's config (`tiny_config(log_every_steps=1)`) from the command line."""
-  return [sys.executable, "-m", "train", "--config", "configs/tiny_eagle3.py",
-          "--workdir", workdir, *trainer_hooks.tiny_flags(log_every_steps=1), *extra]
+  """The reference run's config (`tiny_config(**MULTIHOST_SETTINGS)`) from the command line."""
+  return [sys.executable, "-m", "train", "--config", "configs/tiny_eagle3.py", "--workdir",
+          workdir, *trainer_hooks.tiny_flags(**trainer_hooks.MULTIHOST_SETTINGS), *extra]
 
 
 def _free_port() -> int:
@@ -268,7 +268,8 @@ def runs(tmp_path_factory, base_env, results, reference_workdir):
                                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
              for i in range(2)]
   errs = _run_all(resumed)
-  return dict(one=reference_workdir, two=two, killed_steps=killed_steps, killed_metrics=killed_metrics,
+  return dict(one=reference_workdir, two=two, killed_steps=killed_steps,
+              killed_metrics=killed_metrics,
               resumed_stderr=errs)
 
 
@@ -284,6 +285,10 @@ def test_killed_after_checkpoint_and_resumed(runs):
   states = [json.load(open(os.path.join(step_dir, "data_iter", f"process_{i}-of-2.json")))
             for i in range(2)]
   assert states[0] == states[1] == {"next_index": NUM_STEPS}
+  # The weights are split over both processes' devices (fsdp 8): each process wrote its own
+  # shards (Orbax's OCDBT keeps one store per process).
+  params_dir = os.listdir(os.path.join(step_dir, "params"))
+  assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(params_dir), params_dir
   assert os.path.exists(os.path.join(runs["two"], "export", "drafter.json"))
 
 

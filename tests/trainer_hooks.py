@@ -58,6 +58,13 @@ def tiny_config(*, recipe: str = "", hooks: str = STANDIN, **overrides) -> Confi
   return c
 
 
+# The multi-process test's run: every step logged, and the weights and Adam
+# moments split over all 8 devices (fsdp), so each process holds and
+# checkpoints only its half of every large array.
+MULTIHOST_SETTINGS = {"log_every_steps": 1, "mesh__data": 1, "mesh__fsdp": 8,
+                      "sharding__min_shard_size": 256}
+
+
 def tiny_flags(**overrides) -> list[str]:
   """The `--config.*` flags that make `python -m train --config configs/tiny_eagle3.py`
   run `tiny_config(**overrides)`."""

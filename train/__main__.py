@@ -34,7 +34,8 @@ _COORDINATOR = flags.DEFINE_string(
     "Multi-process runs: host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS;"
     " detected under SLURM, Open MPI and on Cloud TPU).")
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Multi-process runs: processes in the job (default: $JAX_NUM_PROCESSES).")
+    "num_processes", None,
+    "Multi-process runs: processes in the job (default: $JAX_NUM_PROCESSES).")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "Multi-process runs: this process, 0 .. num_processes - 1 (default:"
     " $JAX_PROCESS_ID).")
