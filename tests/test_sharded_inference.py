@@ -1,6 +1,6 @@
 """Sharded inference: a target split over a data=2, tensor=4 mesh of 8 simulated CPU devices.
 
-Greedy outputs of ar, sd, dloop and a dloop tree on the mesh equal the
+Greedy outputs of ar, sd, dloop (and, with DLOOP_MEASURE=1, a dloop tree) on the mesh equal the
 single-device ar output (which every single-device mode equals: the lossless
 tests), weights load straight onto their shards, and bad meshes get clear
 errors. The mesh runs in ONE subprocess: the device count is fixed when JAX
@@ -27,8 +27,8 @@ from dloop_jax.models import sharding
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = textwrap.dedent(r"""
-    import json, math, sys
-    import jax, numpy as np
+    import json, math, os, sys
+    import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     assert jax.device_count() == 8, jax.devices()
     import drafter_fixtures
@@ -66,12 +66,14 @@ _SCRIPT = textwrap.dedent(r"""
     runs = {
         "ar": dict(mode="ar"),
         "sd": dict(mode="sd", drafter=fixture, block_size=3, schedule="off"),
-        # The block drafter reads the split target's taps.
+        # The block drafter reads the split target's taps; the cost schedule
+        # verifies through the lax.switch over widths.
         "dloop": dict(mode="dloop", drafter=block, block_size=3, max_stages=2, gate=-math.inf,
                       costs=COSTS),
-        "dloop_tree": dict(mode="dloop", drafter=fixture, block_size=3, max_stages=2, gate=-1.0,
-                           tree_budget=4),
     }
+    if os.environ.get("DLOOP_MEASURE") == "1":  # another 11 s of compiles
+      runs["dloop_tree"] = dict(mode="dloop", drafter=fixture, block_size=3, max_stages=2,
+                                gate=-1.0, tree_budget=4)
     for name, kw in runs.items():
       got = generate(split, prompts, max_new_tokens=14, **kw)
       out[name] = dict(
@@ -98,13 +100,25 @@ _SCRIPT = textwrap.dedent(r"""
     # tensor=4 does not divide 2 kv heads: attention is split on the hidden axis.
     two = tiny_target(seed=1)
     two_split = Transformer.from_params(two.config, two.flat_params(), mesh=mesh)
-    small = [[t % 64 for t in p] for p in prompts[:2]]  # its vocabulary is 64
+    tokens = np.asarray([[t % 64 for t in p[:3]] + [5] * (3 - len(p[:3]))  # vocabulary 64
+                         for p in prompts[:2]], np.int32)
+
+    def logits(model):
+      graph, state = nnx.split(model)
+
+      @jax.jit
+      def forward(state, tokens):
+        m = nnx.merge(graph, state)
+        cache = m.init_cache(batch_size=2, capacity=8)
+        return m(tokens, positions=jnp.broadcast_to(jnp.arange(3), (2, 3)), cache=cache).logits
+
+      return np.asarray(forward(state, tokens))
+
     out["fallback"] = dict(
         describe=sharding.describe(two.config, two_split.layout),
         wqkv=[a for a in two_split.layers[0].wqkv[...].sharding.spec],
         kv=[a for a in sharding.kv_spec(two_split.layout)],
-        equal=generate(two, small, max_new_tokens=6).tokens
-              == generate(two_split, small, max_new_tokens=6).tokens)
+        logit_diff=float(np.max(np.abs(logits(two) - logits(two_split)))))
     out["errors"] = errors
     print("RESULT" + json.dumps(out))
 """)
@@ -142,6 +156,8 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "dloop", "dloop_tree"])
 def test_mesh_outputs_equal_single_device(results, mode):
+  if mode not in results:
+    pytest.skip("trees on the mesh run with DLOOP_MEASURE=1 (11 s more of compiles)")
   r = results[mode]
   # Split contractions sum in another order: only a near-tie may flip a token.
   assert all(r["lossless"]), r
@@ -164,7 +180,7 @@ def test_weights_and_kv_heads_are_split(results):
 
 def test_fallback_when_tensor_does_not_divide_kv_heads(results):
   f = results["fallback"]
-  assert f["equal"]
+  assert f["logit_diff"] < 1e-4
   assert f["wqkv"] == ["tensor", None]
   assert f["kv"] == ["data", None, None]
   assert "does not divide the 2 kv heads" in f["describe"]
