@@ -128,7 +128,7 @@ def _tiny_kv4_dir(path: str) -> str:
   """A tiny Llama with 4 kv heads (tensor=4 splits them), saved as an HF directory."""
   config = transformers.LlamaConfig(
       hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4,
-      num_hidden_layers=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-5,
+      num_hidden_layers=1, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-5,
       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

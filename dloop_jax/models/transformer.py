@@ -284,11 +284,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  scores = jnp.einsum("btkgh,bckh->bkgtc", q, k).astype(jnp.float32) * (h ** -0.5)
+  scores = _f32_einsum("btkgh,bckh->bkgtc", q, k) * (h ** -0.5)
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgtc,bckh->btkgh", probs, v)
+  out = _f32_einsum("bkgtc,bckh->btkgh", probs, v).astype(v.dtype)
   return out.reshape(b, t, n * h)
+
+
+def _f32_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """An attention product accumulated and returned in f32 whatever the operands' dtype.
+
+  With bf16 activations, the read-only verification (`attention_with_new`:
+  two products summed) and the cached one (`cached_attention`: one product)
+  then round to bf16 once, at the same place, and agree to f32 precision
+  instead of differing by a bf16 rounding of each partial product.
+  """
+  return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
 
 
 def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -326,12 +337,13 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   b, t, _, h = q.shape
   kv_heads = k_cache.shape[0] // b
   q = _group_queries(q, kv_heads)
-  scores = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * (h ** -0.5)
+  scores = _f32_einsum("nch,nqh->nqc", k_cache, q) * (h ** -0.5)
   scores = scores.reshape(b, kv_heads, -1, t, scores.shape[-1])
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
   probs = probs.reshape(b * kv_heads, -1, probs.shape[-1])
-  return _ungroup(jnp.einsum("nch,nqc->nqh", v_cache, probs), batch=b, num_new=t)
+  out = _f32_einsum("nch,nqc->nqh", v_cache, probs).astype(v_cache.dtype)
+  return _ungroup(out, batch=b, num_new=t)
 
 
 def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
@@ -362,16 +374,16 @@ def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax
   k = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
   v = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
   scale = h ** -0.5
-  from_cache = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * scale
-  from_new = jnp.einsum("nqh,nsh->nqs", q, k).astype(jnp.float32) * scale
+  from_cache = _f32_einsum("nch,nqh->nqc", k_cache, q) * scale
+  from_new = _f32_einsum("nqh,nsh->nqs", q, k) * scale
   scores = jnp.concatenate([from_cache, from_new], axis=-1).reshape(b, kv_heads, -1, t,
                                                                     capacity + t)
   visible = jnp.concatenate(
       [jnp.broadcast_to(cache_mask[:, None, :], (b, t, capacity)), new_mask], axis=-1)
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv_heads, -1, capacity + t)
-  out = (jnp.einsum("nch,nqc->nqh", v_cache, probs[..., :capacity])
-         + jnp.einsum("nqs,nsh->nqh", probs[..., capacity:], v))
+  out = (_f32_einsum("nch,nqc->nqh", v_cache, probs[..., :capacity])
+         + _f32_einsum("nqs,nsh->nqh", probs[..., capacity:], v)).astype(v.dtype)
   return _ungroup(out, batch=b, num_new=t)
 
 
