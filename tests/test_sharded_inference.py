@@ -208,3 +208,14 @@ def test_interleave_columns_round_trip():
   got = sharding.interleave_columns(w, sizes, 2)
   assert got[0].tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
   np.testing.assert_array_equal(sharding.deinterleave_columns(got, sizes, 2), w)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mesh", "data=2"], "needs 2 devices, JAX has 1"),
+    (["--mesh", "pipeline=2"], "AXIS in ['data', 'tensor']"),
+    (["--dtype", "bfloat16", "--weights", "f32"], "dtype=bfloat16 with weights=f32"),
+])
+def test_cli_errors(argv, message, capsys):
+  from infer.__main__ import main  # pylint: disable=g-import-not-at-top
+  assert main(argv + ["--prompt", "hi", "--mode", "ar"]) == 2
+  assert message in capsys.readouterr().err
