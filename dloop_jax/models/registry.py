@@ -99,32 +99,28 @@ WEIGHT_DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat1
                  "bfloat16": jnp.bfloat16}
 
 
+def _float_dtype(value: str | Any | None, *, what: str, default) -> Any:
+  """A name ("f32", "bfloat16", ...), a dtype or None (= `default`) -> f32 or bf16."""
+  if value is None:
+    return jnp.dtype(default)
+  if isinstance(value, str):
+    if value.lower() not in WEIGHT_DTYPES:
+      raise ConfigError(f"{what} must be one of {sorted(set(WEIGHT_DTYPES))}, got {value!r}.")
+    return jnp.dtype(WEIGHT_DTYPES[value.lower()])
+  dtype = jnp.dtype(value)
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ConfigError(f"{what} must be float32 or bfloat16, got {dtype}.")
+  return dtype
+
+
 def weight_dtype(weights: str | Any | None, *, default=jnp.float32):
   """"f32" / "bf16" (or a dtype, or None = `default`) -> the weights' dtype."""
-  if weights is None:
-    return jnp.dtype(default)
-  if isinstance(weights, str):
-    if weights.lower() not in WEIGHT_DTYPES:
-      raise ConfigError(f"weights must be one of {sorted(set(WEIGHT_DTYPES))}, got {weights!r}.")
-    return jnp.dtype(WEIGHT_DTYPES[weights.lower()])
-  dtype = jnp.dtype(weights)
-  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ConfigError(f"weights must be float32 or bfloat16, got {dtype}.")
-  return dtype
+  return _float_dtype(weights, what="weights", default=default)
 
 
 def compute_dtype(dtype: str | Any | None):
   """"float32" / "bfloat16" (or "f32" / "bf16", a dtype, None = f32) -> the compute dtype."""
-  if dtype is None:
-    return jnp.dtype(jnp.float32)
-  if isinstance(dtype, str):
-    if dtype.lower() not in WEIGHT_DTYPES:
-      raise ConfigError(f"dtype must be one of {sorted(set(WEIGHT_DTYPES))}, got {dtype!r}.")
-    return jnp.dtype(WEIGHT_DTYPES[dtype.lower()])
-  out = jnp.dtype(dtype)
-  if out not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ConfigError(f"dtype must be float32 or bfloat16, got {out}.")
-  return out
+  return _float_dtype(dtype, what="dtype", default=jnp.float32)
 
 
 def precision(dtype: str | Any | None = None, weights: str | Any | None = None):
