@@ -181,7 +181,8 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok) -> None:
                stages_per_round=row.stages_per_round,
                schedule=out.schedule, tree_budget=args.tree_budget or None,
                drafted=row.drafted,
-               verified=row.verified, plain_rounds=row.plain_rounds)
+               verified=row.verified, plain_rounds=row.plain_rounds,
+               dtype=args.dtype, mesh=args.mesh)
     print(json.dumps(rec), flush=True)
   else:
     print(answer)
