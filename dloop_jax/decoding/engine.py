@@ -699,7 +699,9 @@ def generate(
   """Generates continuations of a batch of token-id prompts.
 
   Args:
-    target: the target model.
+    target: the target model. One placed on a device mesh (`load_target(...,
+      mesh=)`) decodes there: rows over the mesh's data axis (B must be a
+      multiple of its size), weights and KV heads as placed (docs/scaling.md).
     prompts: B prompts (lists of token ids, lengths may differ).
     max_new_tokens: new tokens per row at most (the first comes from prefill).
     mode: "ar", "sd" or "dloop".
