@@ -6,6 +6,8 @@
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
     python -m infer --mode dloop --drafter PATH --tree-budget 8   # top-8 draft trees per stage
+    python -m infer --dtype bfloat16    # bf16 compute (accelerators)
+    python -m infer --mesh data=2,tensor=4 --prompts-file prompts.jsonl   # 8 devices
 """
 
 from __future__ import annotations
@@ -38,10 +40,17 @@ def _parse(argv):
   p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
   p.add_argument("--max-stages", type=int, default=3, help="S_max: stages per verification")
-  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
-                 help="storage of the target's weight matrices (f32: greedy outputs of every"
-                      " mode equal; bf16: cheaper multi-token forwards on CPU, see"
-                      " docs/benchmarks.md)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="the target's compute dtype (activations, KV cache): float32 on CPU,"
+                      " bfloat16 on accelerators (logits and acceptance stay f32)")
+  p.add_argument("--weights", choices=("f32", "bf16"), default=None,
+                 help="storage of the target's weight matrices (default: as --dtype). With"
+                      " --dtype float32, bf16 makes multi-token forwards cheaper on CPU"
+                      " (docs/benchmarks.md); --dtype bfloat16 needs bf16 (docs/scaling.md)")
+  p.add_argument("--mesh", default=None,
+                 help="decode on a device mesh, e.g. data=2,tensor=4: prompts in batches"
+                      " of data rows, the target's weights and KV heads split over tensor"
+                      " (docs/scaling.md)")
   p.add_argument("--schedule", choices=("cost", "off"), default=None,
                  help="cost: verify only the prefix of the drafts expected to pay for its"
                       " verification (per-width cost table of this target on this machine);"
@@ -104,7 +113,13 @@ def main(argv=None) -> int:
       prompts = _read_prompts(args.prompts_file)
     else:
       prompts = [args.prompt or "What is the capital of France?"]
-    target = load_target(args.target, weights=args.weights)
+    mesh = None
+    if args.mesh:
+      from dloop_jax.models import sharding  # pylint: disable=g-import-not-at-top
+      mesh = sharding.inference_mesh(args.mesh)
+    target = load_target(args.target, dtype=args.dtype, weights=args.weights, mesh=mesh)
+    if mesh is not None:
+      print(sharding.describe(target.config, target.model.layout), file=sys.stderr)
     tok = target.tokenizer
     drafter = None
     if args.mode != "ar":
@@ -123,45 +138,60 @@ def main(argv=None) -> int:
       raise DLoopError(f"Target {target.name!r} has no tokenizer files; add them to the model"
                        " directory (tokenizer.json / tokenizer_config.json).")
     stop = list(tok.stop_token_ids) if tok is not None else list(target.config.eos_token_ids)
+    encoded = []
     for text in prompts:
       if args.raw or tok is None or not tok.has_chat_template:
-        ids = tok.encode(text)
+        encoded.append(tok.encode(text))
       else:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}],
-                                      add_generation_prompt=True)
-      out = generate(target.model, [ids], max_new_tokens=args.max_new_tokens, mode=mode,
+        encoded.append(tok.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True))
+    # One prompt per call; on a mesh, batches of one row per data shard (the
+    # last padded with copies of its last prompt, whose outputs are dropped).
+    rows_per_call = mesh.shape["data"] if mesh is not None else 1
+    for start in range(0, len(encoded), rows_per_call):
+      batch = encoded[start:start + rows_per_call]
+      out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
+                     max_new_tokens=args.max_new_tokens, mode=mode,
                      drafter=drafter, block_size=args.block_size, gate=args.gate,
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
                      stop_tokens=stop, schedule=args.schedule, costs=args.costs,
                      draft_backoff=args.draft_backoff, tree_budget=args.tree_budget)
-      new = out.tokens[0]
-      answer = tok.decode(new, skip_special_tokens=True)
-      row = out.rows[0]
-      if args.json:
-        rec = dict(prompt=text, text=answer, prompt_ids=ids, output_ids=new,
-                   new_tokens=row.new_tokens, seconds=out.seconds,
-                   compile_seconds=out.compile_seconds,
-                   tokens_per_second=row.new_tokens / out.seconds if out.seconds else 0.0,
-                   target_forwards=row.target_forwards, mode=mode,
-                   drafter=getattr(drafter, "name", None),
-                   acceptance_length=row.acceptance_length, rounds=row.rounds,
-                   stages_per_round=row.stages_per_round,
-                   schedule=out.schedule, tree_budget=args.tree_budget or None,
-                   drafted=row.drafted,
-                   verified=row.verified, plain_rounds=row.plain_rounds)
-        print(json.dumps(rec), flush=True)
-      else:
-        print(answer)
-        tps = row.new_tokens / out.seconds if out.seconds else math.nan
-        print(f"[{mode}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
-              f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
-              + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
-                 f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else ""),
-              file=sys.stderr)
+      for i, ids in enumerate(batch):
+        _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
+                drafter=drafter, tok=tok)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
+
+
+def _report(args, *, text, ids, out, index, mode, drafter, tok) -> None:
+  """Prints one prompt's answer (and its statistics) from a `GenerationOutput` row."""
+  new = out.tokens[index]
+  answer = tok.decode(new, skip_special_tokens=True)
+  row = out.rows[index]
+  if args.json:
+    rec = dict(prompt=text, text=answer, prompt_ids=ids, output_ids=new,
+               new_tokens=row.new_tokens, seconds=out.seconds,
+               compile_seconds=out.compile_seconds,
+               tokens_per_second=row.new_tokens / out.seconds if out.seconds else 0.0,
+               target_forwards=row.target_forwards, mode=mode,
+               drafter=getattr(drafter, "name", None),
+               acceptance_length=row.acceptance_length, rounds=row.rounds,
+               stages_per_round=row.stages_per_round,
+               schedule=out.schedule, tree_budget=args.tree_budget or None,
+               drafted=row.drafted,
+               verified=row.verified, plain_rounds=row.plain_rounds,
+               dtype=args.dtype, mesh=args.mesh)
+    print(json.dumps(rec), flush=True)
+  else:
+    print(answer)
+    tps = row.new_tokens / out.seconds if out.seconds else math.nan
+    print(f"[{mode}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
+          f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
+          + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
+             f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else ""),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,8 @@ def cache_key(target, *, batch_size: int) -> dict:
              weights=_weight_dtypes(target), jax=jax.__version__, backend=jax.default_backend(),
              device_kind=device.device_kind, batch_size=int(batch_size),
              capacity=_capacity(target))
+  if getattr(target, "mesh", None) is not None:
+    key.update(mesh=dict(target.mesh.shape))
   if jax.default_backend() == "cpu":
     key.update(processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count())
   return key

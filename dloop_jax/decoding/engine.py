@@ -60,6 +60,7 @@ from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import kv_cache as kv_lib
+from dloop_jax.models import sharding as sharding_lib
 from dloop_jax.models.transformer import Transformer
 
 if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
@@ -658,6 +659,15 @@ def _prepare(
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
           jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
           jnp.asarray(draft_backoff, jnp.int32))
+  if target.mesh is not None:
+    # A target placed on a mesh: rows over its data axis, the rest replicated;
+    # the jit follows these shardings (`models.sharding`).
+    mesh = target.mesh
+    sharding_lib.check_batch(len(prompts), mesh)
+    rows = (sharding_lib.place(padded, sharding_lib.batch_spec(2), mesh),
+            sharding_lib.place(lengths, sharding_lib.batch_spec(1), mesh))
+    args = (args[0], *sharding_lib.replicate(args[1:2], mesh), *rows,
+            *sharding_lib.replicate(args[4:], mesh))
   return static, args
 
 
@@ -689,7 +699,9 @@ def generate(
   """Generates continuations of a batch of token-id prompts.
 
   Args:
-    target: the target model.
+    target: the target model. One placed on a device mesh (`load_target(...,
+      mesh=)`) decodes there: rows over the mesh's data axis (B must be a
+      multiple of its size), weights and KV heads as placed (docs/scaling.md).
     prompts: B prompts (lists of token ids, lengths may differ).
     max_new_tokens: new tokens per row at most (the first comes from prefill).
     mode: "ar", "sd" or "dloop".

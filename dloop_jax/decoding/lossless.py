@@ -27,6 +27,17 @@ from dloop_jax.models.transformer import Transformer
 # f32 logits of a verification forward and of single-token forwards differ by
 # ~1e-5 on the default model; a flip needs the two best logits closer than that.
 NEAR_TIE = 1e-3
+# With bf16 compute (a target whose `dtype` is bf16) a hidden state that rounds
+# to a neighbouring bf16 value (8 significant bits) in one forward and not the
+# other moves the logits by up to ~3e-2 (measured, tiny test target: the
+# read-only verification against single-token steps); 2^-4 is one bf16 step of
+# a logit between 8 and 16.
+NEAR_TIE_BF16 = 2.0 ** -4
+
+
+def near_tie(target: Transformer) -> float:
+  """The near-tie bound for `target`'s compute dtype (f32: `NEAR_TIE`, bf16: `NEAR_TIE_BF16`)."""
+  return NEAR_TIE_BF16 if jnp.dtype(target.dtype) == jnp.bfloat16 else NEAR_TIE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,7 +86,7 @@ def top2_gap(target: Transformer, context: Sequence[int]) -> float:
 
 
 def compare(target: Transformer, prompt: Sequence[int], expected: Sequence[int],
-            got: Sequence[int], *, tolerance: float = NEAR_TIE) -> Comparison:
+            got: Sequence[int], *, tolerance: float | None = None) -> Comparison:
   """Compares `got` with the reference greedy output `expected` of the same prompt.
 
   Args:
@@ -83,11 +94,13 @@ def compare(target: Transformer, prompt: Sequence[int], expected: Sequence[int],
     prompt: the prompt's token ids.
     expected: reference new tokens (autoregressive greedy).
     got: new tokens to check.
-    tolerance: near-tie bound on the top-2 logit gap.
+    tolerance: near-tie bound on the top-2 logit gap (None: `near_tie(target)`).
 
   Returns:
     A `Comparison`; `.lossless` is the verdict.
   """
+  if tolerance is None:
+    tolerance = near_tie(target)
   first = first_difference(expected, got)
   if first is None:
     return Comparison(identical=True, tolerance=tolerance)

@@ -99,33 +99,74 @@ WEIGHT_DTYPES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat1
                  "bfloat16": jnp.bfloat16}
 
 
-def weight_dtype(weights: str | Any | None, *, default=jnp.float32):
-  """"f32" / "bf16" (or a dtype, or None = `default`) -> the weights' dtype."""
-  if weights is None:
+def _float_dtype(value: str | Any | None, *, what: str, default) -> Any:
+  """A name ("f32", "bfloat16", ...), a dtype or None (= `default`) -> f32 or bf16."""
+  if value is None:
     return jnp.dtype(default)
-  if isinstance(weights, str):
-    if weights.lower() not in WEIGHT_DTYPES:
-      raise ConfigError(f"weights must be one of {sorted(set(WEIGHT_DTYPES))}, got {weights!r}.")
-    return jnp.dtype(WEIGHT_DTYPES[weights.lower()])
-  dtype = jnp.dtype(weights)
+  if isinstance(value, str):
+    if value.lower() not in WEIGHT_DTYPES:
+      raise ConfigError(f"{what} must be one of {sorted(set(WEIGHT_DTYPES))}, got {value!r}.")
+    return jnp.dtype(WEIGHT_DTYPES[value.lower()])
+  dtype = jnp.dtype(value)
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ConfigError(f"weights must be float32 or bfloat16, got {dtype}.")
+    raise ConfigError(f"{what} must be float32 or bfloat16, got {dtype}.")
   return dtype
 
 
+def weight_dtype(weights: str | Any | None, *, default=jnp.float32):
+  """"f32" / "bf16" (or a dtype, or None = `default`) -> the weights' dtype."""
+  return _float_dtype(weights, what="weights", default=default)
+
+
+def compute_dtype(dtype: str | Any | None):
+  """"float32" / "bfloat16" (or "f32" / "bf16", a dtype, None = f32) -> the compute dtype."""
+  return _float_dtype(dtype, what="dtype", default=jnp.float32)
+
+
+def precision(dtype: str | Any | None = None, weights: str | Any | None = None):
+  """The (compute dtype, weight-matrix dtype) pair of a target, checked.
+
+  Three combinations exist (docs/scaling.md):
+
+      dtype     weights   for
+      float32   f32       the reference: CPU, exact comparisons
+      float32   bf16      CPU: half the bytes streamed, f32 activations and
+                          accumulation (products round activations to bf16)
+      bfloat16  bf16      accelerators: bf16 activations, KV cache and
+                          weights; f32 accumulation, logits and acceptance
+
+  Raises:
+    ConfigError: an unknown name, or dtype=bfloat16 with f32 weights (every
+      product would cast the bf16 activations up and stream f32 weights: the
+      cost of f32 with the precision of bf16).
+  """
+  compute = compute_dtype(dtype)
+  stored = weight_dtype(weights, default=compute)
+  if compute == jnp.bfloat16 and stored == jnp.float32:
+    raise ConfigError("dtype=bfloat16 with weights=f32 is not a supported combination: use"
+                      " weights=bf16 with dtype=bfloat16 (accelerators), or dtype=float32"
+                      " (with weights f32 or bf16) on a CPU.")
+  return compute, stored
+
+
 def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32,
-                weights: str | Any | None = None) -> LoadedTarget:
+                weights: str | Any | None = None, mesh=None) -> LoadedTarget:
   """Loads a target model from a registry name, a .gguf file or an HF directory.
 
   Args:
     source: registry name (see `REGISTRY`), path to a `.gguf`, or a directory
       with `config.json` + safetensors weights.
-    dtype: activation, KV cache, norm and bias dtype (f32 on CPU; bf16 on
-      accelerators).
+    dtype: compute dtype: activations, KV cache, norms and biases ("float32"
+      / "bfloat16" or a dtype; f32 on CPU, bf16 on accelerators). Logits,
+      softmaxes, norms' statistics and acceptance stay f32.
     weights: storage of the weight matrices: "f32", "bf16" (or a dtype); None
       = `dtype`. On XLA:CPU, bf16 matrices with f32 activations make forwards
       of several tokens far cheaper than f32 ones, at about the cost of an f32
-      one-token step (docs/benchmarks.md).
+      one-token step (docs/benchmarks.md). See `precision` for the
+      combinations.
+    mesh: a `jax.sharding.Mesh` (`models.sharding.inference_mesh`): each
+      weight goes from host memory straight to its shards on the mesh's
+      devices (`models.sharding`), and `generate()` decodes on the mesh.
 
   Returns:
     A `LoadedTarget`.
@@ -139,6 +180,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32
   from dloop_jax.models.gguf_loader import load_gguf, open_gguf
   from dloop_jax.models.hf_loader import load_hf_dir
 
+  dtype, stored = precision(dtype, weights)
   text = os.fspath(source)
   if text in REGISTRY:
     name, path = text, registry_path(text)
@@ -169,6 +211,6 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32
     raise ModelLoadError(
         f"The tokenizer in {path!r} has {base_vocab} tokens but the model's vocabulary only"
         f" {config.vocab_size}; they do not belong to the same model.")
-  model = Transformer.from_params(config, params, dtype=dtype,
-                                 weight_dtype=weight_dtype(weights, default=dtype), source=path)
+  model = Transformer.from_params(config, params, dtype=dtype, weight_dtype=stored, source=path,
+                                 mesh=mesh)
   return LoadedTarget(model=model, config=config, tokenizer=tokenizer, source=path, name=name)

@@ -41,6 +41,7 @@ from flax import struct
 from dloop_jax.errors import ModelLoadError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
+from dloop_jax.models import sharding as sharding_lib
 from dloop_jax.models.config import TransformerConfig
 
 
@@ -146,7 +147,8 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, h: jax.Array, *, config: TransformerConfig, cos: jax.Array,
                sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
-               masks: tuple[jax.Array, ...], write_cache: bool
+               masks: tuple[jax.Array, ...], write_cache: bool,
+               groups: tuple[int, int] = (1, 1)
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """h [B, T, D] -> (h, k_cache, v_cache, k, v).
 
@@ -155,7 +157,9 @@ class DecoderLayer(nnx.Module):
     tokens go into the cache first (slots `starts + t`) and attention reads it
     with `masks = (mask [B, T, C],)`; without, the cache is only read and comes
     back as it was (`masks = (cache_mask [B, C], new_mask [B, T, T])`, see
-    `attention_with_new`).
+    `attention_with_new`). `groups` = (head groups, MLP groups): the column
+    groups of `wqkv` / `bqkv` and of `w_gate_up` on a mesh
+    (`sharding.interleave_columns`; (1, 1) = the standard layout).
     """
     c = config
     b, t, _ = h.shape
@@ -164,9 +168,7 @@ class DecoderLayer(nnx.Module):
     qkv = dense(x, self.wqkv[...])
     if self.bqkv is not None:
       qkv = qkv + self.bqkv[...]
-    q = qkv[..., :c.q_size].reshape(b, t, c.num_heads, c.head_dim)
-    k = qkv[..., c.q_size:c.q_size + c.kv_size].reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = qkv[..., c.q_size + c.kv_size:].reshape(b, t, c.num_kv_heads, c.head_dim)
+    q, k, v = _split_qkv(qkv, config=c, groups=groups[0])
     if self.q_norm is not None:
       q = rms_norm(q, self.q_norm[...], eps)
       k = rms_norm(k, self.k_norm[...], eps)
@@ -181,9 +183,36 @@ class DecoderLayer(nnx.Module):
                                cache_mask=cache_mask, new_mask=new_mask)
     h = h + dense(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
-    gate, up = jnp.split(dense(x, self.w_gate_up[...]), 2, axis=-1)
+    gate, up = _split_gate_up(dense(x, self.w_gate_up[...]), groups=groups[1])
     h = h + dense(jax.nn.silu(gate) * up, self.w_down[...])
     return h, k_cache, v_cache, k, v
+
+
+def _split_qkv(qkv: jax.Array, *, config: TransformerConfig, groups: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """[B, T, Q + 2 KV] -> q [B, T, N, H], k, v [B, T, K, H].
+
+  With g > 1 groups the columns are group-major (each group: its q heads, its
+  k heads, its v heads), so a tensor shard slices its own heads locally.
+  """
+  c = config
+  b, t, _ = qkv.shape
+  g = groups
+  qkv = qkv.reshape(b, t, g, -1)
+  q_size, kv_size = c.q_size // g, c.kv_size // g
+  q = qkv[..., :q_size].reshape(b, t, c.num_heads, c.head_dim)
+  k = qkv[..., q_size:q_size + kv_size].reshape(b, t, c.num_kv_heads, c.head_dim)
+  v = qkv[..., q_size + kv_size:].reshape(b, t, c.num_kv_heads, c.head_dim)
+  return q, k, v
+
+
+def _split_gate_up(x: jax.Array, *, groups: int) -> tuple[jax.Array, jax.Array]:
+  """[..., 2 F] -> gate, up [..., F] (group-major columns with groups > 1)."""
+  if groups == 1:
+    return jnp.split(x, 2, axis=-1)
+  lead = x.shape[:-1]
+  x = x.reshape(lead + (groups, 2, -1))
+  return x[..., 0, :].reshape(lead + (-1,)), x[..., 1, :].reshape(lead + (-1,))
 
 
 def _is_half(dtype) -> bool:
@@ -255,11 +284,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  scores = jnp.einsum("btkgh,bckh->bkgtc", q, k).astype(jnp.float32) * (h ** -0.5)
+  scores = _f32_einsum("btkgh,bckh->bkgtc", q, k) * (h ** -0.5)
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgtc,bckh->btkgh", probs, v)
+  out = _f32_einsum("bkgtc,bckh->btkgh", probs, v).astype(v.dtype)
   return out.reshape(b, t, n * h)
+
+
+def _f32_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """An attention product accumulated and returned in f32 whatever the operands' dtype.
+
+  With bf16 activations, the read-only verification (`attention_with_new`:
+  two products summed) and the cached one (`cached_attention`: one product)
+  then round to bf16 once, at the same place, and agree to f32 precision
+  instead of differing by a bf16 rounding of each partial product.
+  """
+  return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
 
 
 def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -297,12 +337,13 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   b, t, _, h = q.shape
   kv_heads = k_cache.shape[0] // b
   q = _group_queries(q, kv_heads)
-  scores = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * (h ** -0.5)
+  scores = _f32_einsum("nch,nqh->nqc", k_cache, q) * (h ** -0.5)
   scores = scores.reshape(b, kv_heads, -1, t, scores.shape[-1])
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
   probs = probs.reshape(b * kv_heads, -1, probs.shape[-1])
-  return _ungroup(jnp.einsum("nch,nqc->nqh", v_cache, probs), batch=b, num_new=t)
+  out = _f32_einsum("nch,nqc->nqh", v_cache, probs).astype(v_cache.dtype)
+  return _ungroup(out, batch=b, num_new=t)
 
 
 def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
@@ -333,21 +374,23 @@ def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax
   k = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
   v = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
   scale = h ** -0.5
-  from_cache = jnp.einsum("nch,nqh->nqc", k_cache, q).astype(jnp.float32) * scale
-  from_new = jnp.einsum("nqh,nsh->nqs", q, k).astype(jnp.float32) * scale
+  from_cache = _f32_einsum("nch,nqh->nqc", k_cache, q) * scale
+  from_new = _f32_einsum("nqh,nsh->nqs", q, k) * scale
   scores = jnp.concatenate([from_cache, from_new], axis=-1).reshape(b, kv_heads, -1, t,
                                                                     capacity + t)
   visible = jnp.concatenate(
       [jnp.broadcast_to(cache_mask[:, None, :], (b, t, capacity)), new_mask], axis=-1)
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv_heads, -1, capacity + t)
-  out = (jnp.einsum("nch,nqc->nqh", v_cache, probs[..., :capacity])
-         + jnp.einsum("nqs,nsh->nqh", probs[..., capacity:], v))
+  out = (_f32_einsum("nch,nqc->nqh", v_cache, probs[..., :capacity])
+         + _f32_einsum("nqs,nsh->nqh", probs[..., capacity:], v)).astype(v.dtype)
   return _ungroup(out, batch=b, num_new=t)
 
 
-def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int) -> nnx.List:
-  return nnx.List([DecoderLayer({name: jnp.asarray(w[i]) for name, w in stacked.items()})
+def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int,
+                  put=lambda name, w: jnp.asarray(w)) -> nnx.List:
+  """Stacked weights -> one `DecoderLayer` each; `put(name, layer's array)` places them."""
+  return nnx.List([DecoderLayer({name: put(f"layers.{name}", w[i]) for name, w in stacked.items()})
                    for i in range(num_layers)])
 
 
@@ -373,6 +416,7 @@ class Transformer(nnx.Module):
     self.config = config
     self.dtype = dtype
     self.weight_dtype = jnp.dtype(dtype if weight_dtype is None else weight_dtype)
+    self.layout: sharding_lib.Layout | None = None  # a mesh placement (`from_params(mesh=)`)
     c = config
     init = nnx.initializers.normal(init_std)
     self.embed = nnx.Param(self._stored(
@@ -392,12 +436,26 @@ class Transformer(nnx.Module):
     return jnp.asarray(value, dtype)
 
   # ----------------------------------------------------------------- weights
+  @property
+  def mesh(self) -> jax.sharding.Mesh | None:
+    """The mesh the weights are split over (None: one device)."""
+    return self.layout.mesh if self.layout is not None else None
+
+  @property
+  def _groups(self) -> tuple[int, int]:
+    lay = self.layout
+    return (lay.head_groups, lay.mlp_groups) if lay is not None else (1, 1)
+
   @classmethod
   def from_params(cls, config: TransformerConfig, params: Mapping[str, np.ndarray], *,
-                  dtype=jnp.float32, weight_dtype=None, source: str = "") -> "Transformer":
+                  dtype=jnp.float32, weight_dtype=None, source: str = "",
+                  mesh: jax.sharding.Mesh | None = None) -> "Transformer":
     """Builds a model from a flat `{name: array}` dict in `param_shapes` layout.
 
-    `dtype` and `weight_dtype` as in the constructor.
+    `dtype` and `weight_dtype` as in the constructor. With `mesh`, each
+    weight goes from host memory straight to its shards
+    (`models.sharding`): no device ever holds a whole matrix it does not own,
+    and the model's forwards and caches follow that placement.
     """
     expected = param_shapes(config)
     missing = sorted(set(expected) - set(params))
@@ -413,13 +471,29 @@ class Transformer(nnx.Module):
             f" {tuple(params[name].shape)}, the config needs {shape}.")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
                                        weight_dtype=weight_dtype))
-    model.embed = nnx.Param(jnp.asarray(model._stored("embed", np.asarray(params["embed"]))))
-    model.final_norm = nnx.Param(jnp.asarray(params["final_norm"], dtype))
+    lay = sharding_lib.layout(config, mesh) if mesh is not None else None
+    model.layout = lay
+
+    def put(name, value):
+      if lay is None:
+        return jnp.asarray(value)
+      return sharding_lib.place(np.asarray(value), sharding_lib.param_spec(name, config, lay),
+                                lay.mesh)
+
+    model.embed = nnx.Param(put("embed", model._stored("embed", np.asarray(params["embed"]))))
+    model.final_norm = nnx.Param(put("final_norm", np.asarray(params["final_norm"], dtype)))
     if "lm_head" in params:
-      model.lm_head = nnx.Param(jnp.asarray(model._stored("lm_head", np.asarray(params["lm_head"]))))
-    stacked = {name.split(".", 1)[1]: model._stored(name, np.asarray(value))
-               for name, value in params.items() if name.startswith("layers.")}
-    model.layers = _split_layers(stacked, config.num_layers)
+      model.lm_head = nnx.Param(put("lm_head",
+                                    model._stored("lm_head", np.asarray(params["lm_head"]))))
+    stacked = {}
+    for name, value in params.items():
+      if name.startswith("layers."):
+        value = model._stored(name, np.asarray(value))
+        if lay is not None and name in sharding_lib.fused_blocks(config):
+          value = sharding_lib.interleave_columns(
+              value, sharding_lib.fused_blocks(config)[name], sharding_lib.groups_of(name, lay))
+        stacked[name.split(".", 1)[1]] = value
+    model.layers = _split_layers(stacked, config.num_layers, put)
     return model
 
   def flat_params(self) -> dict[str, np.ndarray]:
@@ -429,13 +503,28 @@ class Transformer(nnx.Module):
       out["lm_head"] = np.asarray(self.lm_head[...])
     for name in self.layers[0].weights():
       out[f"layers.{name}"] = np.stack([np.asarray(l.weights()[name]) for l in self.layers])
+    if self.layout is not None:
+      for name, sizes in sharding_lib.fused_blocks(self.config).items():
+        if name in out:
+          out[name] = sharding_lib.deinterleave_columns(
+              out[name], sizes, sharding_lib.groups_of(name, self.layout))
     return out
 
   def init_cache(self, *, batch_size: int, capacity: int) -> kv_lib.KVCache:
+    """An empty cache; on a mesh split over data (rows) and tensor (kv heads)."""
     c = self.config
-    return kv_lib.KVCache.create(
+    cache = kv_lib.KVCache.create(
         num_layers=c.num_layers, batch_size=batch_size, capacity=capacity,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+    if self.layout is None:
+      return cache
+    sharding_lib.check_batch(batch_size, self.layout.mesh)
+    split = jax.sharding.NamedSharding(self.layout.mesh, sharding_lib.kv_spec(self.layout))
+    rows = jax.sharding.NamedSharding(self.layout.mesh, sharding_lib.batch_spec(1))
+    constrain = jax.lax.with_sharding_constraint
+    return kv_lib.KVCache(k=tuple(constrain(x, split) for x in cache.k),
+                          v=tuple(constrain(x, split) for x in cache.v),
+                          lengths=constrain(cache.lengths, rows))
 
   # ----------------------------------------------------------------- forward
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -496,7 +585,7 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       h, k_cache, v_cache, k, v = layer(
           h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
-          starts=starts, masks=masks, write_cache=write_cache)
+          starts=starts, masks=masks, write_cache=write_cache, groups=self._groups)
       k_caches.append(k_cache)
       v_caches.append(v_cache)
       new_kv.append((k, v))
