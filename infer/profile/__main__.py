@@ -1,6 +1,6 @@
 """`python -m infer.profile`: what DLoop costs on this device, at real model shapes.
 
-    python -m infer.profile                          # Qwen3-8B shapes, bf16 (a few minutes on a GPU / TPU)
+    python -m infer.profile                          # Qwen3-8B shapes, bf16 (minutes on a GPU / TPU)
     python -m infer.profile --preset qwen3-4b --out prof_4b
     python -m infer.profile --preset qwen3-8b --set num_layers=12   # a cut-down 8B
     python -m infer.profile --preset tiny            # seconds, on a CPU
@@ -125,11 +125,12 @@ def run(args, log) -> dict:
   taus = modeled.parse_taus(args.tau, kinds)
 
   device = jax.devices()[0]
+  label = args.preset + (f" with {args.overrides}" if args.overrides else "")
   gen_capacity = prompt_length + new_tokens + needed
   need = presets.check_fits(config, dtype=dtype, weights=weights, batch_size=args.batch_size,
                             capacity=max(capacity, gen_capacity),
-                            available=presets.device_memory_bytes(), preset=args.preset)
-  log(f"{args.preset}: {config.num_params() / 1e6:,.1f}M parameters, {jax.numpy.dtype(dtype).name}"
+                            available=presets.device_memory_bytes(), preset=label)
+  log(f"{label}: {config.num_params() / 1e6:,.1f}M parameters, {jax.numpy.dtype(dtype).name}"
       f" activations, {jax.numpy.dtype(weights).name} weights, about"
       f" {need['total'] / 2 ** 30:.1f} GiB, on {device.device_kind}"
       f" ({jax.default_backend()}, {jax.device_count()} device(s))")
@@ -179,7 +180,8 @@ def run(args, log) -> dict:
         f" round, {time.perf_counter() - t0:.1f} s with compiling)")
 
   result = dict(
-      target=dict(preset=args.preset, overrides=args.overrides, shape=presets.summary(config),
+      target=dict(preset=args.preset, overrides=args.overrides, label=label,
+                  shape=presets.summary(config),
                   dtype=jax.numpy.dtype(dtype).name, weights=jax.numpy.dtype(weights).name),
       device=dict(backend=jax.default_backend(), device_kind=device.device_kind,
                   count=jax.device_count(), jax=jax.__version__),

@@ -21,10 +21,10 @@ def markdown(result: dict, table: costs_lib.CostTable) -> str:
   t = result["target"]
   dev = result["device"]
   lines = [
-      f"# Accelerator profile: {t['preset']} on {dev['device_kind']} ({dev['backend']},"
+      f"# Accelerator profile: {t['label']} on {dev['device_kind']} ({dev['backend']},"
       f" {dev['count']} device(s))",
       "",
-      f"Random weights at the shapes of {t['preset']}: {t['shape']['num_layers']} layers,"
+      f"Random weights at the shapes of {t['label']}: {t['shape']['num_layers']} layers,"
       f" D {t['shape']['hidden_size']}, vocab {t['shape']['vocab_size']},"
       f" {_count(t['shape']['params'])} parameters; activations {t['dtype']}, weight"
       f" matrices {t['weights']}; batch {result['batch_size']}; jax {dev['jax']}.",
