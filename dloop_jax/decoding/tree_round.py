@@ -19,7 +19,8 @@ Per round, for every row (rows are independent):
             at the last one (the bonus).
     compact the keys / values of the root and the k path nodes are written to
             the cache contiguously at slots n .. n + k (their RoPE positions
-            were already n + depth), and the drafter commits the same path.
+            were already n + depth); then the round ends like a chain round
+            (`finish`): the drafter reads the same path.
 
 The best path of a stage scores sum_i max log q_i: the chain drafter's stage
 confidence (the gate's score is unchanged by trees). Whether a stage's tree
@@ -28,7 +29,7 @@ must keep its best path is known when it is built (the gate is read first).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from flax import struct
 
 from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
+from dloop_jax.decoding import finish as finish_lib
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import tree as tree_lib
@@ -109,28 +111,6 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   return state, Drafted(tree=tree, num_stages=num_stages)
 
 
-@struct.dataclass
-class Verified:
-  """One tree verification, compacted.
-
-  Attributes:
-    cache: the target cache with [root, path...] written at slots n .. n + D
-      (lengths still to be set by the caller).
-    num_accepted: [B] k.
-    new_tokens: [B, D + 1] the accepted path's tokens, then the bonus.
-    tokens: [B, D + 1] what the target read along the path: x_n, path tokens.
-    taps: [B, D + 1, n_taps, Dm] target taps along the path.
-    width: scalar, the width of the forward that ran.
-  """
-
-  cache: kv_lib.KVCache
-  num_accepted: jax.Array
-  new_tokens: jax.Array
-  tokens: jax.Array
-  taps: jax.Array
-  width: jax.Array
-
-
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
   """x [B, T, ...] at index [B, P] along axis 1 -> [B, P, ...]."""
   return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -138,7 +118,7 @@ def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
 
 def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
            pending: jax.Array, drafted: Drafted, block_size: int, max_stages: int, budget: int,
-           sampling: sampling_lib.SamplingConfig, key: jax.Array) -> Verified:
+           sampling: sampling_lib.SamplingConfig, key: jax.Array) -> finish_lib.Verified:
   """One target forward over [pending, nodes...], the walk, and the compaction."""
   tree = drafted.tree
   depth = max_stages * block_size
@@ -174,15 +154,14 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
   w = tree_lib.walk(tree, chosen=chosen, mask=mask, max_depth=depth)
   # Compaction: the root and the path, in order, at slots n .. n + D.
   path_kv = jax.tree.map(lambda x: _gather(x, w.path), new_kv)
-  return Verified(cache=cache.append(path_kv), num_accepted=w.num_accepted,
-                  new_tokens=w.new_tokens, tokens=_gather(tokens, w.path),
-                  taps=_gather(taps_out, w.path), width=width)
+  return finish_lib.Verified(cache=cache.append(path_kv), num_accepted=w.num_accepted,
+                             new_tokens=w.new_tokens, tokens=_gather(tokens, w.path),
+                             taps=_gather(taps_out, w.path), width=width)
 
 
 def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, max_stages: int,
               budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
-              key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array,
-              commit_counts: Callable):
+              key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array):
   """One tree round on the engine's loop state `lp` (see `engine._Loop`)."""
   active = ~lp.done
   starts = lp.cache.lengths
@@ -198,36 +177,9 @@ def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, m
              drafted=drafted, block_size=block_size, max_stages=max_stages, budget=budget,
              sampling=sampling, key=round_key)
 
-  counts, finished = commit_counts(
-      new_tokens=v.new_tokens, num_valid=jnp.where(active, v.num_accepted + 1, 0),
-      num_new=lp.num_new, max_new_tokens=max_new_tokens, stop=stop)
-  committed = counts > 0
-  last = jnp.take_along_axis(v.new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
-  dstate = drafter.commit(dstate, tokens=v.tokens, features=v.taps, next_tokens=v.new_tokens,
-                          starts=starts, counts=counts)
-  num_stages = drafted.num_stages
   nodes = jnp.sum(drafted.tree.valid, axis=1).astype(jnp.int32)
-  st = lp.stats
-  act = active.astype(jnp.int32)
-  st = st.replace(
-      rounds=st.rounds + act,
-      committed=st.committed + counts,
-      drafted=st.drafted + act * nodes,
-      verified=st.verified + act * nodes,
-      plain_rounds=st.plain_rounds + act * (nodes == 0),
-      accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
-      drafter_forwards=st.drafter_forwards + act * (
-          drafter.drafting_forwards(block_size, num_stages) + 1) + caught_up,
-      target_tokens=st.target_tokens + act * v.width,
-      stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
-          num_stages, max_stages + 1, dtype=jnp.int32))
-  return lp.replace(
-      cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),
-      drafter_state=dstate, deferred=deferred,
-      pending=jnp.where(committed, last, lp.pending),
-      out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
-      num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
-      backoff=draft_policy.update(lp.backoff, drafted=active & (num_stages > 0),
-                                  accepted=jnp.where(active, v.num_accepted, 0),
-                                  max_skip=max_skip),
-      round=lp.round + 1)
+  return finish_lib.finish_round(
+      lp, v=v, drafter=drafter, drafter_state=dstate, deferred=deferred, caught_up=caught_up,
+      num_stages=drafted.num_stages, num_drafted=nodes, num_verified=nodes,
+      block_size=block_size, max_stages=max_stages, max_new_tokens=max_new_tokens, stop=stop,
+      max_skip=max_skip)
