@@ -131,7 +131,7 @@ def test_block_drafter_tree_stage_seeds_like_greedy_stage(tiny, block_drafter):
                    counts=jax.numpy.asarray([5, 3]))
   both = jax.jit(lambda s: (d.draft_stage(s, key=jax.random.key(1), block_size=4,
                                           sampling=SamplingConfig()),
-                            d.draft_tree_stage(s, block_size=4)))
+                            d.draft_tree_stage(s, block_size=4, budget=8)))
   (greedy_state, greedy), (tree_state, stage) = both(state)
   best = np.asarray(stage.vocab)[np.asarray(stage.logprobs).argmax(-1)]
   np.testing.assert_array_equal(best, greedy.tokens)
@@ -210,9 +210,10 @@ def test_bad_tree_arguments(tiny, drafters, kwargs, match):
 
 
 def test_drafter_without_trees(tiny):
-  eagle = build_drafter({"kind": "eagle3"}, target=tiny, rngs=nnx.Rngs(0))
+  dspark = build_drafter({"kind": "dspark", "block_size": 4, "num_layers": 1}, target=tiny,
+                         rngs=nnx.Rngs(0))
   with pytest.raises(ConfigError, match="does not yet"):
-    generate(tiny, [[1, 2]], max_new_tokens=4, mode="sd", drafter=eagle, block_size=3,
+    generate(tiny, [[1, 2]], max_new_tokens=4, mode="sd", drafter=dspark, block_size=3,
              tree_budget=4)
 
 

@@ -1,14 +1,18 @@
-"""One decoding round with a draft tree (DDTree), and DLoop over trees.
+"""One decoding round with a draft tree, and DLoop over trees.
 
 Per round, for every row (rows are independent):
 
-    draft   stage 1: the drafter's per-position distributions q_1..q_gamma
-            after the pending token x_n -> a tree of the top B prefixes
-            (`tree.build`), hanging from the root x_n.
+    draft   stage 1: the top B prefixes after the pending token x_n, as a
+            tree hanging from the root x_n (`tree.select`). A parallel
+            drafter gives per-position distributions q_1..q_gamma (DDTree:
+            the prefixes scored prod q_i, `tree.beam`); EAGLE-3 grows a
+            dynamic tree (EAGLE-2: per depth, one drafter forward over the
+            best frontier nodes, their top children scored by path
+            probability) and hands over its scored prefixes.
             dloop: while the best path's stage confidence passes the gate
             (and fewer than S_max stages), stage s+1 is drafted from the end
-            of stage s's best path (the argmax token at every position; it is
-            kept in stage s's tree) and its top-B tree hangs from that node.
+            of stage s's best path (the best-scoring prefix of full depth; it
+            is kept in stage s's tree) and its top-B tree hangs from that node.
     verify  ONE target forward over [x_n, nodes...] of width 1 + s * B
             (a `lax.switch` over s = 1..S_max, the most stages any row drafted),
             positions n + depth, ancestor-only attention among the nodes, the
@@ -22,9 +26,10 @@ Per round, for every row (rows are independent):
             were already n + depth); then the round ends like a chain round
             (`finish`): the drafter reads the same path.
 
-The best path of a stage scores sum_i max log q_i: the chain drafter's stage
-confidence (the gate's score is unchanged by trees). Whether a stage's tree
-must keep its best path is known when it is built (the gate is read first).
+The best path of a stage scores its log q: for per-position distributions
+sum_i max log q_i, the chain drafter's stage confidence (the gate's score is
+unchanged by trees). Whether a stage's tree must keep its best path is known
+when it is built (the gate is read first).
 """
 
 from __future__ import annotations
@@ -87,15 +92,17 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
 
   def body(c):
     stage, dstate, tree, num_stages, going, end, end_depth = c
-    dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size)
-    best = jnp.max(ts.logprobs, axis=-1)  # [B, gamma]
+    dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size, budget=budget)
+    cands = (ts.candidates if ts.candidates is not None
+             else tree_lib.beam(ts.logprobs, width=budget))
     if dloop:
+      # The best path's log q: the chain's stage confidence for marginals
+      # (sum of the per-position maxima).
       more = going & gate_lib.continue_drafting(
-          gate_lib.stage_confidence(best), gate=gate, stages_done=stage + 1,
-          max_stages=max_stages)
+          cands.best_score, gate=gate, stages_done=stage + 1, max_stages=max_stages)
     else:
       more = jnp.zeros_like(going)
-    t, best_end = tree_lib.build(ts.logprobs, budget=budget, keep_best_path=more)
+    t, best_end = tree_lib.select(cands, budget=budget, keep_best_path=more)
     if ts.vocab is not None:
       t = t.replace(tokens=ts.vocab[t.tokens])
     offset = stage * budget
