@@ -90,6 +90,19 @@ def test_greedy_lossless(tiny, drafters, mode, budget, batch):
               assert row.accepted >= (row.rounds - 1) * (GAMMA + 1)
         if name == "random":
           assert t.accepted <= t.rounds
+    if (mode, budget, seed) == ("sd", 8, 0):
+      # schedule="cost": the best b nodes by path score, b from the compiled widths
+      # (1, 2, 3, 5, 9). Steep costs verify small subtrees or none (plain steps), flat
+      # costs the whole tree. (Several stages: the sampling test.)
+      for name, costs, whole in (("oracle", {1: 1.0, 2: 1.2, 3: 1.4, 9: 9.0}, False),
+                                 ("perturbed", {1: 1.0, 9: 1.0}, True)):
+        out = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode=mode,
+                       drafter=drafters[name], block_size=GAMMA, max_stages=2, gate=-0.5,
+                       tree_budget=budget, schedule="cost", costs=costs, draft_backoff=0)
+        _check_lossless(tiny, prompts, ar, out)
+        t = out.total
+        assert out.schedule == "cost" and t.accepted > 0
+        assert (t.verified == t.drafted) if whole else (t.verified < t.drafted)
     # The drafting back-off (traced) also drives tree rounds: pauses are plain steps.
     out = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode=mode,
                    drafter=drafters["random"], block_size=GAMMA, max_stages=2, gate=-0.5,
@@ -181,8 +194,12 @@ def test_sampling_first_three_tokens_match_target(tiny):
   exact = _exact_distribution(tiny, PROMPT, SAMPLING)
   np.testing.assert_allclose(sum(exact.values()), 1.0, rtol=1e-5)
   drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=5)
+  # schedule="cost" verifies the best b nodes (b + 1 in 1, 2, 3, 5, 9), chosen from the
+  # drafter's scores alone: a smaller tree, still walked on the target's samples.
   out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode="dloop", drafter=drafter,
-                 block_size=2, max_stages=2, gate=-math.inf, tree_budget=4, sampling=SAMPLING, seed=11)
+                 block_size=2, max_stages=2, gate=-math.inf, tree_budget=4, sampling=SAMPLING,
+                 seed=11, schedule="cost", costs={1: 1.0, 3: 1.1, 5: 1.5, 9: 4.0},
+                 draft_backoff=0)
   samples = [tuple(t) for t in out.tokens]
   pvalue, stat = chi_square_pvalue(samples, exact)
   assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e}"
@@ -190,8 +207,10 @@ def test_sampling_first_three_tokens_match_target(tiny):
   shifted = _exact_distribution(tiny, PROMPT, SamplingConfig(temperature=0.85, top_k=4))
   assert chi_square_pvalue(samples, shifted)[0] < 1e-6
   t = out.total
-  # The trees were used: two stages (the second grown from the first's best path).
+  # The trees were used: two stages (the second grown from the first's best path), and
+  # the scheduler verified part of them.
   assert t.accepted > 0.2 * N and t.stage_histogram[2] == t.rounds
+  assert 0 < t.verified < t.drafted
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -199,7 +218,6 @@ def test_sampling_first_three_tokens_match_target(tiny):
     (dict(tree_budget=2.0), "tree_budget must be an int >= 0"),
     (dict(tree_budget=True), "tree_budget must be an int >= 0"),
     (dict(tree_budget=4, mode="ar", drafter=None), "needs mode 'sd' or 'dloop'"),
-    (dict(tree_budget=4, schedule="cost"), "schedule='cost' is not supported with trees"),
     (dict(tree_budget=2, mode="dloop", block_size=3), "at least block_size"),
 ])
 def test_bad_tree_arguments(tiny, drafters, kwargs, match):

@@ -103,8 +103,14 @@ class _Static:
     """The compiled verification widths."""
     if self.mode == "ar":
       return (1,)
-    return schedule_lib.verify_widths(block_size=self.block_size, max_stages=self.max_stages,
-                                      schedule=self.schedule)
+    # A tree's stage holds tree_budget nodes where a chain's holds gamma drafts.
+    widths = schedule_lib.verify_widths(block_size=self.tree_budget or self.block_size,
+                                        max_stages=self.max_stages, schedule=self.schedule)
+    if self.tree_budget and self.schedule == "cost":
+      # Half a stage's tree too: the best half of the nodes holds most of the
+      # expected accepted length.
+      widths = tuple(sorted(set(widths) | {1 + self.tree_budget // 2}))
+    return widths
 
 
 @struct.dataclass
@@ -395,7 +401,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     return tree_round.run_round(
         lp, target=target, drafter=drafter, mode=s.mode, block_size=gamma,
         max_stages=s.max_stages, budget=s.tree_budget, sampling=s.sampling,
-        max_new_tokens=s.max_new_tokens, key=key, gate=gate, stop=stop, max_skip=max_skip)
+        max_new_tokens=s.max_new_tokens, key=key, gate=gate, stop=stop, max_skip=max_skip,
+        schedule=s.schedule, widths=widths, costs=costs)
 
   spec_round = tree_spec_round if s.tree_budget else speculative_round
 
@@ -469,20 +476,16 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
       or math.isnan(float(gate))):
     raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
   drafter.check_target(target.config)
-  _validate_tree(mode=mode, drafter=drafter, block_size=block_size, schedule=schedule,
-                 tree_budget=tree_budget)
+  _validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
 
 
-def _validate_tree(*, mode, drafter, block_size, schedule, tree_budget) -> None:
+def _validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
   if tree_budget == 0:
     return
   if not drafter.supports_trees:
     raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
                       f" {drafter.name!r} ({drafter.kind}) does not yet (use the block"
                       " drafter, or tree_budget=0).")
-  if schedule != "off":
-    raise ConfigError("tree_budget > 0 verifies the whole tree: schedule='cost' is not"
-                      " supported with trees yet (use schedule='off' or leave it unset).")
   if mode == "dloop" and tree_budget < block_size:
     raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
                       f" stage's best path of {block_size} nodes, so tree_budget must be at least"
@@ -616,8 +619,9 @@ def generate(
     schedule: ("sd" / "dloop") "cost": verify only the prefix of the drafts
       whose expected committed tokens per unit of target time is best (see
       `decoding.schedule`; possibly none: a plain decode step); "off": verify
-      every draft. None: "cost" for chains, "off" for trees (the only choice
-      with a tree_budget for now).
+      every draft. None: "cost" for chains, "off" for trees. With a
+      tree_budget, "cost" verifies the best b nodes of the tree by path
+      score (`decoding.tree_round`).
     costs: with schedule="cost", the target forward's cost per width: a
       `costs.CostTable`, a {width: cost} mapping or a JSON file path. None: the
       file named by $DLOOP_COSTS if set, else this target's table on this

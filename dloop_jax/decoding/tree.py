@@ -213,7 +213,7 @@ def concatenate(trees: list[Tree]) -> Tree:
 
 
 def attach(tree: Tree, *, offset: int, parent: jax.Array, depth: jax.Array,
-           active: jax.Array) -> Tree:
+           active: jax.Array, score: jax.Array | None = None) -> Tree:
   """Re-indexes a tree to live at node slots offset.. under node `parent`.
 
   Args:
@@ -223,13 +223,44 @@ def attach(tree: Tree, *, offset: int, parent: jax.Array, depth: jax.Array,
       (NO_PARENT: the root).
     depth: [R] depth of that node (0 for the root).
     active: [R] bool: rows where the tree is kept (others become padding).
+    score: [R] log q of that node's path (0 for the root, the default), added
+      to the tree's scores: they become log q of the path from the root.
   """
   valid = tree.valid & active[:, None]
   parents = jnp.where(tree.parents == NO_PARENT, parent[:, None], tree.parents + offset)
+  scores = tree.scores if score is None else tree.scores + score[:, None]
   return Tree(tokens=jnp.where(valid, tree.tokens, 0),
               parents=jnp.where(valid, parents, NO_PARENT).astype(jnp.int32),
               depths=jnp.where(valid, tree.depths + depth[:, None], 0).astype(jnp.int32),
-              scores=jnp.where(valid, tree.scores, -jnp.inf), valid=valid)
+              scores=jnp.where(valid, scores, -jnp.inf), valid=valid)
+
+
+def by_score(tree: Tree) -> Tree:
+  """The nodes reordered by path score, best first; padding last.
+
+  A node scores at most its parent (log-probs are <= 0) and the parent comes
+  first at a tie (the sort is stable and the input is parents-first), so the
+  result is parents-first and its first b nodes, for any b, form a
+  prefix-closed tree: the best b-node subtree of the drafter's scores.
+  """
+  order = jnp.argsort(-tree.scores, axis=1, stable=True)
+  inverse = jnp.argsort(order, axis=1)
+
+  def take(x):
+    return jnp.take_along_axis(x, order, axis=1)
+
+  parents = take(tree.parents)
+  parents = jnp.where(parents == NO_PARENT, NO_PARENT,
+                      jnp.take_along_axis(inverse, jnp.maximum(parents, 0), axis=1))
+  return Tree(tokens=take(tree.tokens), parents=parents.astype(jnp.int32),
+              depths=take(tree.depths), scores=take(tree.scores), valid=take(tree.valid))
+
+
+def first_nodes(tree: Tree, count: jax.Array) -> Tree:
+  """Keeps the first `count` [R] nodes of each row (the rest become padding)."""
+  valid = tree.valid & (jnp.arange(tree.num_nodes)[None, :] < count[:, None])
+  return tree.replace(valid=valid, tokens=jnp.where(valid, tree.tokens, 0),
+                      scores=jnp.where(valid, tree.scores, -jnp.inf))
 
 
 def ancestor_mask(tree: Tree, *, max_depth: int) -> jax.Array:

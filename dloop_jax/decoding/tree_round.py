@@ -45,6 +45,7 @@ from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import finish as finish_lib
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models.transformer import Transformer
@@ -55,8 +56,8 @@ class Drafted:
   """The drafted tree of every row.
 
   Attributes:
-    tree: [B, S_max * budget] nodes; stage s's nodes sit at slots
-      s * budget .. (s + 1) * budget - 1 (padding where the row did not draft it).
+    tree: [B, S_max * budget] nodes of every stage, ordered by path score
+      (`tree.by_score`: any first b nodes form a tree), padding last.
     num_stages: [B] stages drafted.
   """
 
@@ -87,11 +88,11 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   zeros = jnp.zeros((b,), jnp.int32)
 
   def cond(c):
-    stage, _, _, _, going, _, _ = c
+    stage, _, _, _, going, _, _, _ = c
     return (stage < max_stages) & jnp.any(going)
 
   def body(c):
-    stage, dstate, tree, num_stages, going, end, end_depth = c
+    stage, dstate, tree, num_stages, going, end, end_depth, end_score = c
     dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size, budget=budget)
     cands = (ts.candidates if ts.candidates is not None
              else tree_lib.beam(ts.logprobs, width=budget))
@@ -106,16 +107,19 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
     if ts.vocab is not None:
       t = t.replace(tokens=ts.vocab[t.tokens])
     offset = stage * budget
-    t = tree_lib.attach(t, offset=offset, parent=end, depth=end_depth, active=going)
+    t = tree_lib.attach(t, offset=offset, parent=end, depth=end_depth, active=going,
+                        score=end_score)
     tree = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, offset, 1),
                         tree, t)
     end = jnp.where(more, best_end + offset, end)
     end_depth = jnp.where(more, end_depth + block_size, end_depth)
-    return stage + 1, dstate, tree, num_stages + going, more, end, end_depth
+    end_score = jnp.where(more, end_score + cands.best_score, end_score)
+    return stage + 1, dstate, tree, num_stages + going, more, end, end_depth, end_score
 
-  _, state, tree, num_stages, _, _, _ = jax.lax.while_loop(
-      cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros))
-  return state, Drafted(tree=tree, num_stages=num_stages)
+  _, state, tree, num_stages, _, _, _, _ = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros,
+                   jnp.zeros((b,), jnp.float32)))
+  return state, Drafted(tree=tree_lib.by_score(tree), num_stages=num_stages)
 
 
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -124,10 +128,19 @@ def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
-           pending: jax.Array, drafted: Drafted, block_size: int, max_stages: int, budget: int,
+           pending: jax.Array, tree: tree_lib.Tree, num_verified: jax.Array, branch: jax.Array,
+           widths: tuple[int, ...], block_size: int, max_stages: int,
            sampling: sampling_lib.SamplingConfig, key: jax.Array) -> finish_lib.Verified:
-  """One target forward over [pending, nodes...], the walk, and the compaction."""
-  tree = drafted.tree
+  """One target forward over [pending, the first nodes...], the walk, and the compaction.
+
+  Args:
+    tree: [B, N] nodes ordered by path score (`tree.by_score`).
+    num_verified: [B] nodes each row verifies: its first ones (a tree).
+    branch: scalar index into `widths`: the forward reads [pending, nodes
+      0 .. widths[branch] - 2], which holds every row's verified nodes.
+    widths: the compiled widths (static), 1 + node counts.
+  """
+  tree = tree_lib.first_nodes(tree, num_verified)
   depth = max_stages * block_size
   mask = tree_lib.ancestor_mask(tree, max_depth=depth)  # [B, 1 + N, 1 + N]
   tokens = jnp.concatenate([pending[:, None], tree.tokens], axis=1)
@@ -137,9 +150,7 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
   def pad(x):
     return jnp.pad(x, [(0, 0), (0, full - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
-  def branch_fn(stages: int):
-    w = 1 + stages * budget
-
+  def branch_fn(w: int):
     def run():
       # Read-only (write_cache=False): the path is written after the walk.
       o = target(tokens[:, :w], positions=positions[:, :w], cache=cache,
@@ -150,10 +161,7 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
 
     return run
 
-  # Nodes of stages no row drafted are padding in every row: the narrowest
-  # forward that holds every row's tree suffices.
-  branch = jnp.clip(jnp.max(drafted.num_stages) - 1, 0, max_stages - 1)
-  branches = [branch_fn(s) for s in range(1, max_stages + 1)]
+  branches = [branch_fn(w) for w in widths]
   if len(branches) == 1:
     chosen, taps_out, new_kv, width = branches[0]()
   else:
@@ -166,10 +174,29 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
                              taps=_gather(taps_out, w.path), width=width)
 
 
+def node_confidence(tree: tree_lib.Tree) -> jax.Array:
+  """[B, N] c_i with prod_{k <= i} c_k = q(node i's path), for nodes ordered by score.
+
+  Then the scheduler's E(b) = 1 + sum_{i <= b} prod_{k <= i} c_k is
+  1 + sum_{i <= b} q(path_i): the expected accepted nodes of the first b
+  nodes, were the drafter's path probabilities calibrated, plus the bonus.
+  """
+  prev = jnp.concatenate([jnp.zeros_like(tree.scores[:, :1]), tree.scores[:, :-1]], axis=1)
+  return jnp.where(tree.valid, jnp.exp(tree.scores - jnp.where(tree.valid, prev, 0.0)), 0.0)
+
+
 def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, max_stages: int,
               budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
-              key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array):
-  """One tree round on the engine's loop state `lp` (see `engine._Loop`)."""
+              key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array,
+              schedule: str, widths: tuple[int, ...], costs: jax.Array):
+  """One tree round on the engine's loop state `lp` (see `engine._Loop`).
+
+  schedule="off" verifies every node; "cost" the first b nodes by path score
+  (a tree), b from the compiled `widths` maximising E(b) / cost(1 + b)
+  (`schedule.choose` with `node_confidence`; b = 0 is a plain step). Which
+  nodes are verified depends on the drafter alone, never on the target's
+  tokens, so the walk stays lossless for sampling too.
+  """
   active = ~lp.done
   starts = lp.cache.lengths
   round_key = jax.random.fold_in(key, lp.round)
@@ -180,13 +207,18 @@ def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, m
   dstate, drafted = draft(drafter, dstate, going=going, gate=gate,
                           dloop=mode == "dloop", block_size=block_size, max_stages=max_stages,
                           budget=budget)
-  v = verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
-             drafted=drafted, block_size=block_size, max_stages=max_stages, budget=budget,
-             sampling=sampling, key=round_key)
-
   nodes = jnp.sum(drafted.tree.valid, axis=1).astype(jnp.int32)
+  if schedule == "cost":
+    choice = schedule_lib.choose(confidence=node_confidence(drafted.tree), num_drafts=nodes,
+                                 active=active, widths=widths, costs=costs, causal=False)
+  else:
+    choice = schedule_lib.verify_all(num_drafts=nodes, active=active, widths=widths)
+  v = verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
+             tree=drafted.tree, num_verified=choice.num_verified, branch=choice.branch,
+             widths=widths, block_size=block_size, max_stages=max_stages, sampling=sampling,
+             key=round_key)
   return finish_lib.finish_round(
       lp, v=v, drafter=drafter, drafter_state=dstate, deferred=deferred, caught_up=caught_up,
-      num_stages=drafted.num_stages, num_drafted=nodes, num_verified=nodes,
+      num_stages=drafted.num_stages, num_drafted=nodes, num_verified=choice.num_verified,
       block_size=block_size, max_stages=max_stages, max_new_tokens=max_new_tokens, stop=stop,
       max_skip=max_skip)
