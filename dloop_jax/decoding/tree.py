@@ -21,6 +21,12 @@ better parent extends to a better child with the same last token). Ties are
 broken towards the smaller candidate index, and candidates are numbered depth
 first (index = (d - 1) * B + beam slot), so a parent always ranks before its
 children: the selection is prefix-closed even at ties.
+
+The two steps are apart: `beam` (the per-depth beams, `Candidates`) and
+`select` (the global top B). A drafter whose distributions depend on the path
+(EAGLE-3's dynamic tree) builds its own beam and hands it to `select`.
+`by_score` orders a tree's nodes best first, so that any first b of them form
+a tree (the cost-scheduled verification of part of a tree).
 """
 
 from __future__ import annotations
