@@ -84,12 +84,12 @@ def summarize(records: Iterable[dict]) -> list[dict]:
                                         "hf_pld"))}
 
   def rank(method: str) -> tuple:
-    # Trees after their chain: sd, sd/all, sd/tree8, sd/tree8/all, ..., dloop, ...
+    # Trees after their chain: sd, sd/tree8, sd/tree16, sd/all, sd/tree8/all, ..., dloop, ...
     mode, _, rest = method.partition("/tree")
     if not rest:
-      return (order.get(method, 9), 0, 0)
+      return (order.get(method, 9), 0)
     budget, _, schedule = rest.partition("/")
-    return (order.get(mode, 9), int(budget), 1 if schedule else 0)
+    return (order.get(f"{mode}/{schedule}" if schedule else mode, 9), int(budget))
 
   keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], rank(k[1]), k[2]))
   return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c), ar_per_step.get(c))
