@@ -54,10 +54,12 @@ def _parse(argv):
   p.add_argument("--schedule", choices=("cost", "off"), default=None,
                  help="cost: verify only the prefix of the drafts expected to pay for its"
                       " verification (per-width cost table of this target on this machine);"
-                      " off: verify every draft (default: cost for chains, off for trees)")
+                      " (with trees: the best nodes by path score); off: verify every draft"
+                      " (default: cost for chains, off for trees)")
   p.add_argument("--tree-budget", type=int, default=0,
-                 help="B > 0: draft a tree of the B best prefixes per stage (DDTree; block"
-                      " drafter) and verify it in one target forward; 0: chains")
+                 help="B > 0: draft a tree of the B best prefixes per stage (block drafter:"
+                      " DDTree; EAGLE-3: dynamic tree) and verify it in one target forward;"
+                      " 0: chains")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest pause (rounds) of drafting after fruitless rounds (default: 8"
                       " with --schedule cost, 0 with off)")

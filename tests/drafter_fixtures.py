@@ -80,8 +80,9 @@ class TargetDrafter(Drafter):
 
   supports_trees = True
 
-  def draft_tree_stage(self, state, *, block_size):
+  def draft_tree_stage(self, state, *, block_size, budget):
     """The greedy chain's distribution at each step stands in for the marginals."""
+    del budget
     def step(carry, _):
       cache, pending = carry
       logits, cache = self._logits(cache, pending)

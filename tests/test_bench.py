@@ -72,7 +72,8 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
       [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math",
        "--prompts-per-category", "1", "--max-new-tokens", "12", "--max-stages", "2",
        "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-inf,0",
-       "--sweep-max-stages=2", "--sweep-prompts", "1", "--out", str(out)],
+       "--sweep-max-stages=2", "--sweep-prompts", "1", "--tree-budgets", "0,8",
+       "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads((out / "results.json").read_text())
@@ -81,7 +82,7 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
     assert all(k in row for k in REQUIRED), row
   keys = {(r["category"], r["method"]) for r in rows}
   for category in ("math", "overall"):
-    for method in ("ar", "sd", "dloop", "sd/all", "dloop/all"):
+    for method in ("ar", "sd", "dloop", "sd/all", "dloop/all", "sd/tree8/all", "dloop/tree8/all"):
       assert (category, method) in keys
   overall = {r["method"]: r for r in rows if r["category"] == "overall"}
   assert overall["dloop/all"]["verified_fraction"] == overall["sd/all"]["verified_fraction"] == 1
@@ -89,11 +90,17 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   assert result["config"]["cost_table"]["costs"]["1"] > 0
   for row in rows:
     assert row["identical_to_ar"] == 1.0 or row["lossless_vs_ar"] == 1.0, row
-  assert len(result["records"]) == 5
+  assert len(result["records"]) == 7
+  tree = overall["dloop/tree8/all"]
+  assert tree["tree_budget"] == 8 and tree["verified_fraction"] == 1
+  # Modeled accelerator speedup: every forward one step, a drafter forward 2 / 30 of one.
+  assert overall["ar"]["modeled_speedup"] == 1.0
+  assert tree["modeled_speedup"] == pytest.approx(
+      tree["modeled_tokens_per_step"] / overall["ar"]["modeled_tokens_per_step"])
   assert {(p["gate"], p["max_stages"]) for p in result["sweep"]} == {(-float("inf"), 2), (0.0, 2)}
   always = next(p for p in result["sweep"] if p["gate"] == -float("inf"))
   assert always["stages_per_round"] == 2.0  # g = -inf drafts S_max stages every round
-  for name in ("results.md", "speedup.png", "gate_sweep.png"):
+  for name in ("results.md", "speedup.png", "gate_sweep.png", "trees.png"):
     assert (out / name).stat().st_size > 0
   assert "| overall | dloop |" in (out / "results.md").read_text()
 

@@ -14,6 +14,7 @@ from flax import nnx
 import draft_training
 import reference
 from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.drafters import (Eagle3Drafter, Frozen, build_drafter, default_drafter_config,
                                 draft_vocab_from_counts, token_counts)
 from dloop_jax.errors import ConfigError, DrafterMismatchError
@@ -75,6 +76,16 @@ def test_greedy_lossless(tiny, drafters, batch):
       for p, want, got in zip(prompts, ar.tokens, out.tokens):
         assert len(got) == max_new
         assert_same_or_near_tie(tiny, p, want, got)
+  if batch == 3:
+    # Dynamic draft trees (EAGLE-2), with DLoop stages grown from the best path (one
+    # program: the gate is traced; g = -1 often stops after one stage).
+    for mode, gamma, s_max, gate in [("dloop", 2, 3, -math.inf), ("dloop", 2, 3, -1.0)]:
+      out = generate(tiny, prompts, max_new_tokens=max_new, mode=mode,
+                     drafter=drafters["trained_v48"], block_size=gamma, gate=gate,
+                     max_stages=s_max, tree_budget=6)
+      for p, want, got in zip(prompts, ar.tokens, out.tokens):
+        assert_same_or_near_tie(tiny, p, want, got)
+      assert out.total.accepted > 0
 
 
 def test_trained_drafter_accepts_more(tiny, drafters):
@@ -144,6 +155,65 @@ def test_stages_continue_the_chain_and_commit_rolls_back(tiny, examples, drafter
     _, got = draft(drafter, jax.tree.map(lambda x: x[r:r + 1] if x.ndim else x, after), key,
                    block_size=3, sampling=greedy)
     np.testing.assert_array_equal(want.tokens, got.tokens)
+
+
+def _chain_scores(drafter, state, path):
+  """Teacher-forced chain along path [R, L]: cumulative log q [R, L], and the state after
+  reading path[:, :L - 1] with path[:, L - 1] pending (as after a greedy stage)."""
+  total, out = 0.0, []
+  for i in range(path.shape[1]):
+    lp = jax.nn.log_softmax(drafter.draft_logits(state.hidden))
+    total = total + jnp.take_along_axis(lp, drafter.to_draft_ids(path[:, i])[:, None], axis=1)[:, 0]
+    out.append(total)
+    if i < path.shape[1] - 1:
+      state = drafter._read_pending(state.replace(pending=path[:, i]))  # pylint: disable=protected-access
+  return jnp.stack(out, axis=1), state.replace(pending=path[:, -1])
+
+
+def test_dynamic_tree_scores_paths_like_the_chain(tiny, examples, drafters):
+  """EAGLE-3's dynamic tree: each node scores its path's chain log q (tree mask right), the
+  selection is prefix-closed with distinct siblings, and the state continues along the
+  best path exactly as a chain that drafted it."""
+  drafter = drafters["trained_v48"]
+  batch = draft_training.pack_batch(examples[:2], seq_len=32)
+  n, gamma, budget = 10, 3, 8
+  state = draft_training.commit_prefix(drafter, batch["tokens"], batch["features"], n)
+
+  @nnx.jit
+  def stage(d, st):
+    st, ts = d.draft_tree_stage(st, block_size=gamma, budget=budget)
+    return st, ts, tree_lib.select(ts.candidates, budget=budget,
+                                   keep_best_path=jnp.ones((2,), bool))
+
+  after, ts, (tree, best_end) = stage(drafter, state)
+  tokens, parents, depths = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.depths))
+  assert np.asarray(tree.valid).all()
+  paths = np.zeros((2, budget, gamma), np.int32) + int(drafter.d2t[...][0])
+  for r in range(2):
+    for i in range(budget):
+      assert parents[r, i] < i  # parents first: prefix-closed
+      siblings = tokens[r][(parents[r] == parents[r, i]) & (np.arange(budget) != i)]
+      assert tokens[r, i] not in siblings
+      node, d = i, depths[r, i]
+      while node != tree_lib.NO_PARENT:
+        paths[r, i, depths[r, node] - 1] = tokens[r, node]
+        node = parents[r, node]
+      assert d == 1 + (0 if parents[r, i] < 0 else depths[r, parents[r, i]])
+  tiled = jax.tree.map(lambda x: jnp.repeat(x, budget, axis=0) if x.ndim else x, state)
+  chain = nnx.jit(_chain_scores)
+  want, chained = chain(drafter, tiled, jnp.asarray(paths.reshape(2 * budget, gamma)))
+  want = np.take_along_axis(np.asarray(want), depths.reshape(-1, 1) - 1, axis=1).reshape(2, budget)
+  np.testing.assert_allclose(np.asarray(tree.scores), want, atol=1e-4)
+  # The best path is in the tree; the state after the stage equals the chain's along it.
+  at = np.arange(2) * budget + np.asarray(best_end)
+  np.testing.assert_allclose(np.asarray(ts.candidates.best_score), want.reshape(-1)[at],
+                             atol=1e-4)
+  assert (depths[np.arange(2), np.asarray(best_end)] == gamma).all()
+  for name in ("hidden", "lengths", "pending"):
+    np.testing.assert_allclose(np.asarray(getattr(after, name)),
+                               np.asarray(getattr(chained, name))[at], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(after.k)[:, :n + gamma - 1],
+                             np.asarray(chained.k)[at, :n + gamma - 1], atol=1e-5)
 
 
 def test_reduced_vocabulary_maps_and_probs(tiny, drafters, examples):

@@ -62,16 +62,21 @@ def _check_lossless(tiny, prompts, ar, out):
 def test_greedy_lossless(tiny, drafters, mode, budget, batch):
   rng = np.random.default_rng(budget * 10 + batch)
   gates = (-math.inf, -0.5, math.inf) if mode == "dloop" else (0.0,)
+  # sd with B = 8 runs the cost-scheduled program (the best b nodes by path score, b + 1 in
+  # the compiled widths 1, 2, 3, 5, 9); a flat table verifies the whole tree.
+  scheduled = (mode, budget) == ("sd", 8)
+  cost = (dict(schedule="cost", costs={1: 1.0, 9: 1.0}, draft_backoff=0) if scheduled else {})
   for seed in range(2):
     prompts = _prompts(rng, batch)
     ar = generate(tiny, prompts, max_new_tokens=MAX_NEW)
     for name, drafter in drafters.items():
       for g in gates:
         out = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode=mode, drafter=drafter,
-                       block_size=GAMMA, max_stages=2, gate=g, tree_budget=budget)
+                       block_size=GAMMA, max_stages=2, gate=g, tree_budget=budget, **cost)
         _check_lossless(tiny, prompts, ar, out)
         t = out.total
-        assert out.schedule == "off"
+        assert out.schedule == ("cost" if scheduled else "off")
+        assert t.verified == t.drafted
         # Every round drafts (no back-off by default) B nodes per stage.
         assert t.drafted == sum(c * s * budget for s, c in enumerate(t.stage_histogram))
         if mode == "dloop" and g == math.inf or mode == "sd":
@@ -90,10 +95,17 @@ def test_greedy_lossless(tiny, drafters, mode, budget, batch):
               assert row.accepted >= (row.rounds - 1) * (GAMMA + 1)
         if name == "random":
           assert t.accepted <= t.rounds
+    if scheduled:
+      # Steep costs: small subtrees (the oracle's best nodes), or none (plain steps).
+      out = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode=mode,
+                     drafter=drafters["oracle"], block_size=GAMMA, tree_budget=budget,
+                     schedule="cost", costs={1: 1.0, 2: 1.2, 3: 1.4, 9: 9.0}, draft_backoff=0)
+      _check_lossless(tiny, prompts, ar, out)
+      assert 0 < out.total.accepted and out.total.verified < out.total.drafted
     # The drafting back-off (traced) also drives tree rounds: pauses are plain steps.
     out = generate(tiny, prompts, max_new_tokens=MAX_NEW, mode=mode,
                    drafter=drafters["random"], block_size=GAMMA, max_stages=2, gate=-0.5,
-                   tree_budget=budget, draft_backoff=4)
+                   tree_budget=budget, **dict(cost, draft_backoff=4))
     _check_lossless(tiny, prompts, ar, out)
     assert out.total.plain_rounds > 0
 
@@ -131,7 +143,7 @@ def test_block_drafter_tree_stage_seeds_like_greedy_stage(tiny, block_drafter):
                    counts=jax.numpy.asarray([5, 3]))
   both = jax.jit(lambda s: (d.draft_stage(s, key=jax.random.key(1), block_size=4,
                                           sampling=SamplingConfig()),
-                            d.draft_tree_stage(s, block_size=4)))
+                            d.draft_tree_stage(s, block_size=4, budget=8)))
   (greedy_state, greedy), (tree_state, stage) = both(state)
   best = np.asarray(stage.vocab)[np.asarray(stage.logprobs).argmax(-1)]
   np.testing.assert_array_equal(best, greedy.tokens)
@@ -181,8 +193,12 @@ def test_sampling_first_three_tokens_match_target(tiny):
   exact = _exact_distribution(tiny, PROMPT, SAMPLING)
   np.testing.assert_allclose(sum(exact.values()), 1.0, rtol=1e-5)
   drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=5)
+  # schedule="cost" verifies the best b nodes (b + 1 in 1, 2, 3, 5, 9), chosen from the
+  # drafter's scores alone: a smaller tree, still walked on the target's samples.
   out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode="dloop", drafter=drafter,
-                 block_size=2, max_stages=2, gate=-math.inf, tree_budget=4, sampling=SAMPLING, seed=11)
+                 block_size=2, max_stages=2, gate=-math.inf, tree_budget=4, sampling=SAMPLING,
+                 seed=11, schedule="cost", costs={1: 1.0, 3: 1.1, 5: 1.5, 9: 4.0},
+                 draft_backoff=0)
   samples = [tuple(t) for t in out.tokens]
   pvalue, stat = chi_square_pvalue(samples, exact)
   assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e}"
@@ -190,8 +206,10 @@ def test_sampling_first_three_tokens_match_target(tiny):
   shifted = _exact_distribution(tiny, PROMPT, SamplingConfig(temperature=0.85, top_k=4))
   assert chi_square_pvalue(samples, shifted)[0] < 1e-6
   t = out.total
-  # The trees were used: two stages (the second grown from the first's best path).
+  # The trees were used: two stages (the second grown from the first's best path), and
+  # the scheduler verified part of them.
   assert t.accepted > 0.2 * N and t.stage_histogram[2] == t.rounds
+  assert 0 < t.verified < t.drafted
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -199,7 +217,6 @@ def test_sampling_first_three_tokens_match_target(tiny):
     (dict(tree_budget=2.0), "tree_budget must be an int >= 0"),
     (dict(tree_budget=True), "tree_budget must be an int >= 0"),
     (dict(tree_budget=4, mode="ar", drafter=None), "needs mode 'sd' or 'dloop'"),
-    (dict(tree_budget=4, schedule="cost"), "schedule='cost' is not supported with trees"),
     (dict(tree_budget=2, mode="dloop", block_size=3), "at least block_size"),
 ])
 def test_bad_tree_arguments(tiny, drafters, kwargs, match):
@@ -210,9 +227,10 @@ def test_bad_tree_arguments(tiny, drafters, kwargs, match):
 
 
 def test_drafter_without_trees(tiny):
-  eagle = build_drafter({"kind": "eagle3"}, target=tiny, rngs=nnx.Rngs(0))
+  dspark = build_drafter({"kind": "dspark", "block_size": 4, "num_layers": 1}, target=tiny,
+                         rngs=nnx.Rngs(0))
   with pytest.raises(ConfigError, match="does not yet"):
-    generate(tiny, [[1, 2]], max_new_tokens=4, mode="sd", drafter=eagle, block_size=3,
+    generate(tiny, [[1, 2]], max_new_tokens=4, mode="sd", drafter=dspark, block_size=3,
              tree_budget=4)
 
 

@@ -18,6 +18,7 @@ from dloop_jax.decoding import tree as tree_lib
 _build = jax.jit(tree_lib.build, static_argnames="budget")
 _mask = jax.jit(tree_lib.ancestor_mask, static_argnames="max_depth")
 _walk = jax.jit(tree_lib.walk, static_argnames="max_depth")
+_by_score = jax.jit(tree_lib.by_score)
 
 
 def _logprobs(rng, rows, gamma, vocab):
@@ -55,6 +56,7 @@ def test_top_b_matches_brute_force_and_is_prefix_closed(gamma, vocab, budget):
   rng = np.random.default_rng(gamma * 100 + vocab * 10 + budget)
   lp = _logprobs(rng, 3, gamma, vocab)
   tree, best_end = jax.device_get(_build(jnp.asarray(lp), budget=budget))
+  ordered = jax.device_get(_by_score(tree))
   for row in range(3):
     want = _brute_force(lp[row], budget)
     prefixes = _prefixes(tree, row)
@@ -77,6 +79,13 @@ def test_top_b_matches_brute_force_and_is_prefix_closed(gamma, vocab, budget):
     assert (end != tree_lib.NO_PARENT) == (best in prefixes.values())
     if end != tree_lib.NO_PARENT:
       assert prefixes[end] == best
+    # Ordered by score (the cost schedule verifies the first b): same prefixes, scores
+    # non-increasing, parents first, so every first b nodes form a tree.
+    ranked = _prefixes(ordered, row)
+    assert sorted(ranked.values()) == sorted(prefixes.values())
+    assert (np.diff(ordered.scores[row][ordered.valid[row]]) <= 0).all()
+    assert all(ordered.parents[row, i] < i for i in ranked)
+    assert not ordered.valid[row, len(ranked):].any()
 
 
 def test_padding_when_fewer_prefixes_than_budget():

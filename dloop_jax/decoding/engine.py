@@ -52,6 +52,7 @@ from flax import struct
 from dloop_jax.decoding import costs as costs_lib
 from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
+from dloop_jax.decoding import finish as finish_lib
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
@@ -103,8 +104,14 @@ class _Static:
     """The compiled verification widths."""
     if self.mode == "ar":
       return (1,)
-    return schedule_lib.verify_widths(block_size=self.block_size, max_stages=self.max_stages,
-                                      schedule=self.schedule)
+    # A tree's stage holds tree_budget nodes where a chain's holds gamma drafts.
+    widths = schedule_lib.verify_widths(block_size=self.tree_budget or self.block_size,
+                                        max_stages=self.max_stages, schedule=self.schedule)
+    if self.tree_budget and self.schedule == "cost":
+      # Half a stage's tree too: the best half of the nodes holds most of the
+      # expected accepted length.
+      widths = tuple(sorted(set(widths) | {1 + self.tree_budget // 2}))
+    return widths
 
 
 @struct.dataclass
@@ -144,63 +151,16 @@ def trace_count() -> int:
   return _TRACE_COUNT
 
 
-def _commit_counts(*, new_tokens: jax.Array, num_valid: jax.Array, num_new: jax.Array,
-                   max_new_tokens: int, stop: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """How many of `new_tokens` each row commits, and whether it finishes.
-
-  A stop token is committed and ends the row; so does reaching max_new_tokens
-  (possibly in the middle of an accepted block).
-
-  Returns:
-    counts [B], finished [B].
-  """
-  w = new_tokens.shape[1]
-  t = jnp.arange(w)[None, :]
-  valid = t < num_valid[:, None]
-  if stop.size:
-    hit = valid & jnp.isin(new_tokens, stop)
-  else:
-    hit = jnp.zeros_like(valid)
-  first_stop = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), w)
-  counts = jnp.minimum(num_valid, first_stop + 1)
-  counts = jnp.minimum(counts, max_new_tokens - num_new)
-  counts = jnp.maximum(counts, 0)
-  finished = (num_valid > 0) & ((first_stop < counts) | (num_new + counts >= max_new_tokens))
-  return counts, finished
-
-
 def _pad_axis1(x: jax.Array, width: int) -> jax.Array:
   pad = [(0, 0)] * x.ndim
   pad[1] = (0, width - x.shape[1])
   return jnp.pad(x, pad)
 
 
-@struct.dataclass
-class _Verified:
-  """One verification forward and its acceptance (per row).
-
-  Attributes:
-    cache: the target cache with the forward's keys / values written after the
-      committed slots (lengths still to be set by the caller).
-    num_accepted: [B] drafts accepted, k.
-    new_tokens: [B, W] d_1..d_k, then the bonus token; padding after.
-    tokens: [B, W] what the target read: pending token, verified drafts, pad.
-    taps: [B, W, n_taps, D] target taps at those positions.
-    width: scalar, the width of the forward that ran.
-  """
-
-  cache: kv_lib.KVCache
-  num_accepted: jax.Array
-  new_tokens: jax.Array
-  tokens: jax.Array
-  taps: jax.Array
-  width: jax.Array
-
-
 def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
             pending: jax.Array, drafts: jax.Array, probs: jax.Array | None,
             num_verified: jax.Array, branch: jax.Array, widths: tuple[int, ...],
-            sampling: sampling_lib.SamplingConfig, key: jax.Array) -> _Verified:
+            sampling: sampling_lib.SamplingConfig, key: jax.Array) -> finish_lib.Verified:
   """Verifies the first `num_verified[b]` drafts of each row in one target forward.
 
   The forward's width is `widths[branch]` (a `lax.switch` over the compiled
@@ -247,7 +207,7 @@ def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache
     cache = cache.append(written)
   else:
     cache, k, new_tokens, taps_out, tokens, width = branch_fn(widths[0])(cache)
-  return _Verified(cache=cache, num_accepted=k, new_tokens=new_tokens, tokens=tokens,
+  return finish_lib.Verified(cache=cache, num_accepted=k, new_tokens=new_tokens, tokens=tokens,
                    taps=taps_out, width=width)
 
 
@@ -275,9 +235,9 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   key, first_key = jax.random.split(key)
   first = sampling_lib.next_token(first_key, pre.logits[:, 0], s.sampling)
   cache = pre.cache.with_lengths(prompt_lengths)
-  counts, done = _commit_counts(new_tokens=first[:, None], num_valid=jnp.ones((b,), jnp.int32),
-                                num_new=jnp.zeros((b,), jnp.int32),
-                                max_new_tokens=s.max_new_tokens, stop=stop)
+  counts, done = finish_lib.commit_counts(
+      new_tokens=first[:, None], num_valid=jnp.ones((b,), jnp.int32),
+      num_new=jnp.zeros((b,), jnp.int32), max_new_tokens=s.max_new_tokens, stop=stop)
   out = jnp.zeros((b, s.max_new_tokens + w_max), jnp.int32).at[:, 0].set(first)
 
   n_taps = len(taps)
@@ -322,7 +282,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     starts = lp.cache.lengths
     o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=taps)
     token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
-    counts, finished = _commit_counts(
+    counts, finished = finish_lib.commit_counts(
         new_tokens=token[:, None], num_valid=(~lp.done).astype(jnp.int32), num_new=lp.num_new,
         max_new_tokens=s.max_new_tokens, stop=stop)
     return o, token, counts, finished
@@ -401,53 +361,11 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                 drafts=drafts, probs=probs, num_verified=choice.num_verified,
                 branch=choice.branch, widths=widths, sampling=s.sampling, key=accept_key)
 
-    # --------------------------------------------------------------- commit
-    counts, finished = _commit_counts(
-        new_tokens=v.new_tokens, num_valid=jnp.where(active, v.num_accepted + 1, 0),
-        num_new=lp.num_new, max_new_tokens=s.max_new_tokens, stop=stop)
-    committed = counts > 0
-    last = jnp.take_along_axis(v.new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
-    # The drafter reads the committed tokens now if some row accepted a draft;
-    # a round that committed one token per row (its drafts rejected or not
-    # verified) leaves it to the next drafting round, like a paused step
-    # (`deferred`): the drafter's unverified drafts are discarded then.
-    read_now = jnp.any(counts > 1)
-
-    def commit_now(dstate, deferred):
-      return drafter.commit(dstate, tokens=v.tokens, features=v.taps, next_tokens=v.new_tokens,
-                            starts=starts, counts=counts), deferred
-
-    def commit_later(dstate, deferred):
-      return dstate, deferred_lib.push(deferred, token=lp.pending, features=v.taps[:, :1],
-                                       next_token=v.new_tokens[:, 0], committed=committed)
-
-    dstate, deferred = jax.lax.cond(read_now, commit_now, commit_later, dstate, deferred)
-    st = lp.stats
-    act = active.astype(jnp.int32)
-    st = st.replace(
-        rounds=st.rounds + act,
-        committed=st.committed + counts,
-        drafted=st.drafted + act * num_drafts,
-        verified=st.verified + act * choice.num_verified,
-        plain_rounds=st.plain_rounds + act * (choice.num_verified == 0),
-        accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
-        # Drafting, the commit if it ran now, and the commit of what the drafter
-        # had not read before the round, if any (see `drafters.base`).
-        drafter_forwards=st.drafter_forwards + act * (
-            drafter.drafting_forwards(gamma, num_stages) + read_now) + caught_up,
-        target_tokens=st.target_tokens + act * v.width,
-        stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
-            num_stages, s.max_stages + 1, dtype=jnp.int32))
-    return lp.replace(
-        cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),
-        drafter_state=dstate, deferred=deferred,
-        pending=jnp.where(committed, last, lp.pending),
-        out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
-        num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
-        backoff=draft_policy.update(lp.backoff, drafted=active & (num_stages > 0),
-                                    accepted=jnp.where(active, v.num_accepted, 0),
-                                    max_skip=max_skip),
-        round=lp.round + 1)
+    return finish_lib.finish_round(
+        lp, v=v, drafter=drafter, drafter_state=dstate, deferred=deferred, caught_up=caught_up,
+        num_stages=num_stages, num_drafted=num_drafts, num_verified=choice.num_verified,
+        block_size=gamma, max_stages=s.max_stages, max_new_tokens=s.max_new_tokens, stop=stop,
+        max_skip=max_skip)
 
   def paused_step(lp: _Loop) -> _Loop:
     """A plain decode step while every active row pauses drafting (`draft_policy`).
@@ -485,7 +403,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         lp, target=target, drafter=drafter, mode=s.mode, block_size=gamma,
         max_stages=s.max_stages, budget=s.tree_budget, sampling=s.sampling,
         max_new_tokens=s.max_new_tokens, key=key, gate=gate, stop=stop, max_skip=max_skip,
-        commit_counts=_commit_counts)
+        schedule=s.schedule, widths=widths, costs=costs)
 
   spec_round = tree_spec_round if s.tree_budget else speculative_round
 
@@ -559,20 +477,16 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
       or math.isnan(float(gate))):
     raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
   drafter.check_target(target.config)
-  _validate_tree(mode=mode, drafter=drafter, block_size=block_size, schedule=schedule,
-                 tree_budget=tree_budget)
+  _validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
 
 
-def _validate_tree(*, mode, drafter, block_size, schedule, tree_budget) -> None:
+def _validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
   if tree_budget == 0:
     return
   if not drafter.supports_trees:
     raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
                       f" {drafter.name!r} ({drafter.kind}) does not yet (use the block"
                       " drafter, or tree_budget=0).")
-  if schedule != "off":
-    raise ConfigError("tree_budget > 0 verifies the whole tree: schedule='cost' is not"
-                      " supported with trees yet (use schedule='off' or leave it unset).")
   if mode == "dloop" and tree_budget < block_size:
     raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
                       f" stage's best path of {block_size} nodes, so tree_budget must be at least"
@@ -717,8 +631,9 @@ def generate(
     schedule: ("sd" / "dloop") "cost": verify only the prefix of the drafts
       whose expected committed tokens per unit of target time is best (see
       `decoding.schedule`; possibly none: a plain decode step); "off": verify
-      every draft. None: "cost" for chains, "off" for trees (the only choice
-      with a tree_budget for now).
+      every draft. None: "cost" for chains, "off" for trees. With a
+      tree_budget, "cost" verifies the best b nodes of the tree by path
+      score (`decoding.tree_round`).
     costs: with schedule="cost", the target forward's cost per width: a
       `costs.CostTable`, a {width: cost} mapping or a JSON file path. None: the
       file named by $DLOOP_COSTS if set, else this target's table on this

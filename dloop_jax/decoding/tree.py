@@ -21,6 +21,12 @@ better parent extends to a better child with the same last token). Ties are
 broken towards the smaller candidate index, and candidates are numbered depth
 first (index = (d - 1) * B + beam slot), so a parent always ranks before its
 children: the selection is prefix-closed even at ties.
+
+The two steps are apart: `beam` (the per-depth beams, `Candidates`) and
+`select` (the global top B). A drafter whose distributions depend on the path
+(EAGLE-3's dynamic tree) builds its own beam and hands it to `select`.
+`by_score` orders a tree's nodes best first, so that any first b of them form
+a tree (the cost-scheduled verification of part of a tree).
 """
 
 from __future__ import annotations
@@ -57,26 +63,47 @@ class Tree:
     return self.tokens.shape[1]
 
 
-def build(logprobs: jax.Array, *, budget: int,
-          keep_best_path: jax.Array | None = None) -> tuple[Tree, jax.Array]:
-  """The top-`budget` prefixes of per-position draft log-probs.
+@struct.dataclass
+class Candidates:
+  """A beam over the depths of one stage: the prefixes a tree is selected from.
+
+  Per depth d = 1..D, W prefixes sorted by score (best first). Drafters that
+  score prefixes themselves (EAGLE-3's dynamic tree) produce it directly;
+  `beam` produces it from a parallel drafter's per-position distributions.
+
+  Attributes:
+    tokens: [R, D, W] int32 last token of each prefix.
+    scores: [R, D, W] f32 log q(prefix), non-increasing along W (-inf: padding).
+    parents: [R, D, W] int32 beam slot of the prefix's parent at depth d - 1
+      (ignored at depth 1: the root).
+    best: [R, D, W] bool, the prefixes of the stage's best path: the
+      best-scoring prefix of depth D (slot 0 there) and its ancestors.
+  """
+
+  tokens: jax.Array
+  scores: jax.Array
+  parents: jax.Array
+  best: jax.Array
+
+  @property
+  def best_score(self) -> jax.Array:
+    """[R] log q of the best path: the stage confidence the DLoop gate reads."""
+    return self.scores[:, -1, 0]
+
+
+def beam(logprobs: jax.Array, *, width: int) -> Candidates:
+  """Per depth, the `width` best prefixes of per-position (marginal) distributions.
+
+  Exact: a depth-d prefix among the `width` best of its depth extends a parent
+  among the `width` best of depth d - 1 (module docstring).
 
   Args:
-    logprobs: [R, gamma, V] log q_i over the drafter's vocabulary (node tokens
-      are column indices of it).
-    budget: B, nodes per row (static).
-    keep_best_path: optional [R] bool: rows whose best full-depth path (the
-      argmax token at every position) must be in the tree, whatever it scores
-      (a DLoop stage continues from its end); then B >= gamma is needed. The
-      path is prefix-closed and every other node's parent is either on it or
-      outscores the node, so the tree stays prefix-closed.
-
-  Returns:
-    The tree (N = B, parents-first) and best_end [R]: the node index of the
-    best path's depth-gamma node, or NO_PARENT where it is not in the tree.
+    logprobs: [R, gamma, V] log q_i over the drafter's vocabulary (tokens are
+      column indices of it).
+    width: W (static).
   """
   r, gamma, v = logprobs.shape
-  b = budget
+  b = width
   k = min(b, v)
   top_lp, top_ids = jax.lax.top_k(logprobs.astype(jnp.float32), k)  # [R, gamma, K], sorted
   neg_inf = jnp.float32(-jnp.inf)
@@ -100,39 +127,90 @@ def build(logprobs: jax.Array, *, budget: int,
     tokens.append(token)
     parents.append(parent)
     bests.append(best)
+  return Candidates(tokens=jnp.stack(tokens, axis=1).astype(jnp.int32),
+                    scores=jnp.stack(scores, axis=1), parents=jnp.stack(parents, axis=1),
+                    best=jnp.stack(bests, axis=1))
 
-  # Global top B over the gamma * B candidates, numbered depth-major.
-  all_scores = jnp.concatenate(scores, axis=1)  # [R, gamma * B]
-  all_best = jnp.concatenate(bests, axis=1)
+
+def select(cands: Candidates, *, budget: int,
+           keep_best_path: jax.Array | None = None) -> tuple[Tree, jax.Array]:
+  """The `budget` best prefixes of a beam, as a prefix-closed tree.
+
+  Args:
+    cands: R rows of D depths of W prefixes.
+    budget: B, nodes per row (static); with fewer than B candidates the rest
+      is padding.
+    keep_best_path: optional [R] bool: rows whose best path (`cands.best`)
+      must be in the tree, whatever it scores (a DLoop stage continues from
+      its end); then B >= D is needed. The path is prefix-closed and every
+      other node's parent is either on it or outscores the node, so the tree
+      stays prefix-closed.
+
+  Returns:
+    The tree (N = B, parents-first) and best_end [R]: the node index of the
+    best path's depth-D node, or NO_PARENT where it is not in the tree.
+  """
+  r, depth, w = cands.scores.shape
+  n_cand = depth * w
+  m = min(budget, n_cand)
+  neg_inf = jnp.float32(-jnp.inf)
+  # Candidates numbered depth-major (index = (d - 1) * W + slot): a parent
+  # always has a smaller index than its children, so ties keep prefixes closed.
+  all_scores = cands.scores.reshape(r, n_cand)
   key = all_scores
   if keep_best_path is not None:
-    key = jnp.where(all_best & keep_best_path[:, None], jnp.inf, all_scores)
-  _, chosen = jax.lax.top_k(key, b)
-  # Depth-major numbering: sorted, parents come first; padding goes last.
-  n_cand = gamma * b
+    key = jnp.where(cands.best.reshape(r, n_cand) & keep_best_path[:, None], jnp.inf, all_scores)
+  _, chosen = jax.lax.top_k(key, m)
+  # Sorted, parents come first; padding goes last.
   padding = jnp.take_along_axis(all_scores, chosen, axis=1) == neg_inf
   chosen = jnp.sort(chosen + jnp.where(padding, n_cand, 0), axis=1) % n_cand
   rows = jnp.arange(r)[:, None]
   # Candidate index -> node index (or NO_PARENT where not chosen).
-  node_of = jnp.full((r, gamma * b), NO_PARENT, jnp.int32).at[rows, chosen].set(
-      jnp.arange(b, dtype=jnp.int32)[None, :])
+  node_of = jnp.full((r, n_cand), NO_PARENT, jnp.int32).at[rows, chosen].set(
+      jnp.arange(m, dtype=jnp.int32)[None, :])
 
-  depth0 = chosen // b  # depth - 1
-  beam_parent = jnp.take_along_axis(jnp.concatenate(parents, axis=1), chosen, axis=1)
-  parent_cand = (depth0 - 1) * b + beam_parent
+  depth0 = chosen // w  # depth - 1
+  beam_parent = jnp.take_along_axis(cands.parents.reshape(r, n_cand), chosen, axis=1)
+  parent_cand = (depth0 - 1) * w + beam_parent
   node_parent = jnp.where(depth0 == 0, NO_PARENT,
                           jnp.take_along_axis(node_of, jnp.maximum(parent_cand, 0), axis=1))
   node_score = jnp.take_along_axis(all_scores, chosen, axis=1)
   valid = node_score > neg_inf
   tree = Tree(
-      tokens=jnp.where(valid, jnp.take_along_axis(jnp.concatenate(tokens, axis=1), chosen,
+      tokens=jnp.where(valid, jnp.take_along_axis(cands.tokens.reshape(r, n_cand), chosen,
                                                   axis=1), 0).astype(jnp.int32),
       parents=jnp.where(valid, node_parent, NO_PARENT).astype(jnp.int32),
       depths=jnp.where(valid, depth0 + 1, 0).astype(jnp.int32),
       scores=node_score,
       valid=valid)
-  best_end = node_of[:, (gamma - 1) * b]  # beam slot 0 of the last depth
+  if m < budget:
+    pad = budget - m
+    tree = Tree(tokens=jnp.pad(tree.tokens, ((0, 0), (0, pad))),
+                parents=jnp.pad(tree.parents, ((0, 0), (0, pad)), constant_values=NO_PARENT),
+                depths=jnp.pad(tree.depths, ((0, 0), (0, pad))),
+                scores=jnp.pad(tree.scores, ((0, 0), (0, pad)), constant_values=neg_inf),
+                valid=jnp.pad(tree.valid, ((0, 0), (0, pad))))
+  best_end = node_of[:, (depth - 1) * w]  # slot 0 of the last depth
   return tree, best_end
+
+
+def build(logprobs: jax.Array, *, budget: int,
+          keep_best_path: jax.Array | None = None) -> tuple[Tree, jax.Array]:
+  """The top-`budget` prefixes of per-position draft log-probs (DDTree).
+
+  `select(beam(logprobs, width=budget))`: see both.
+
+  Args:
+    logprobs: [R, gamma, V] log q_i over the drafter's vocabulary (node tokens
+      are column indices of it).
+    budget: B, nodes per row (static).
+    keep_best_path: optional [R] bool (`select`): rows whose best full-depth
+      path, the argmax token at every position, must be in the tree.
+
+  Returns:
+    The tree (N = B, parents-first) and best_end [R] (`select`).
+  """
+  return select(beam(logprobs, width=budget), budget=budget, keep_best_path=keep_best_path)
 
 
 def concatenate(trees: list[Tree]) -> Tree:
@@ -141,7 +219,7 @@ def concatenate(trees: list[Tree]) -> Tree:
 
 
 def attach(tree: Tree, *, offset: int, parent: jax.Array, depth: jax.Array,
-           active: jax.Array) -> Tree:
+           active: jax.Array, score: jax.Array | None = None) -> Tree:
   """Re-indexes a tree to live at node slots offset.. under node `parent`.
 
   Args:
@@ -151,13 +229,44 @@ def attach(tree: Tree, *, offset: int, parent: jax.Array, depth: jax.Array,
       (NO_PARENT: the root).
     depth: [R] depth of that node (0 for the root).
     active: [R] bool: rows where the tree is kept (others become padding).
+    score: [R] log q of that node's path (0 for the root, the default), added
+      to the tree's scores: they become log q of the path from the root.
   """
   valid = tree.valid & active[:, None]
   parents = jnp.where(tree.parents == NO_PARENT, parent[:, None], tree.parents + offset)
+  scores = tree.scores if score is None else tree.scores + score[:, None]
   return Tree(tokens=jnp.where(valid, tree.tokens, 0),
               parents=jnp.where(valid, parents, NO_PARENT).astype(jnp.int32),
               depths=jnp.where(valid, tree.depths + depth[:, None], 0).astype(jnp.int32),
-              scores=jnp.where(valid, tree.scores, -jnp.inf), valid=valid)
+              scores=jnp.where(valid, scores, -jnp.inf), valid=valid)
+
+
+def by_score(tree: Tree) -> Tree:
+  """The nodes reordered by path score, best first; padding last.
+
+  A node scores at most its parent (log-probs are <= 0) and the parent comes
+  first at a tie (the sort is stable and the input is parents-first), so the
+  result is parents-first and its first b nodes, for any b, form a
+  prefix-closed tree: the best b-node subtree of the drafter's scores.
+  """
+  order = jnp.argsort(-tree.scores, axis=1, stable=True)
+  inverse = jnp.argsort(order, axis=1)
+
+  def take(x):
+    return jnp.take_along_axis(x, order, axis=1)
+
+  parents = take(tree.parents)
+  parents = jnp.where(parents == NO_PARENT, NO_PARENT,
+                      jnp.take_along_axis(inverse, jnp.maximum(parents, 0), axis=1))
+  return Tree(tokens=take(tree.tokens), parents=parents.astype(jnp.int32),
+              depths=take(tree.depths), scores=take(tree.scores), valid=take(tree.valid))
+
+
+def first_nodes(tree: Tree, count: jax.Array) -> Tree:
+  """Keeps the first `count` [R] nodes of each row (the rest become padding)."""
+  valid = tree.valid & (jnp.arange(tree.num_nodes)[None, :] < count[:, None])
+  return tree.replace(valid=valid, tokens=jnp.where(valid, tree.tokens, 0),
+                      scores=jnp.where(valid, tree.scores, -jnp.inf))
 
 
 def ancestor_mask(tree: Tree, *, max_depth: int) -> jax.Array:

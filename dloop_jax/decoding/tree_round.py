@@ -1,14 +1,18 @@
-"""One decoding round with a draft tree (DDTree), and DLoop over trees.
+"""One decoding round with a draft tree, and DLoop over trees.
 
 Per round, for every row (rows are independent):
 
-    draft   stage 1: the drafter's per-position distributions q_1..q_gamma
-            after the pending token x_n -> a tree of the top B prefixes
-            (`tree.build`), hanging from the root x_n.
+    draft   stage 1: the top B prefixes after the pending token x_n, as a
+            tree hanging from the root x_n (`tree.select`). A parallel
+            drafter gives per-position distributions q_1..q_gamma (DDTree:
+            the prefixes scored prod q_i, `tree.beam`); EAGLE-3 grows a
+            dynamic tree (EAGLE-2: per depth, one drafter forward over the
+            best frontier nodes, their top children scored by path
+            probability) and hands over its scored prefixes.
             dloop: while the best path's stage confidence passes the gate
             (and fewer than S_max stages), stage s+1 is drafted from the end
-            of stage s's best path (the argmax token at every position; it is
-            kept in stage s's tree) and its top-B tree hangs from that node.
+            of stage s's best path (the best-scoring prefix of full depth; it
+            is kept in stage s's tree) and its top-B tree hangs from that node.
     verify  ONE target forward over [x_n, nodes...] of width 1 + s * B
             (a `lax.switch` over s = 1..S_max, the most stages any row drafted),
             positions n + depth, ancestor-only attention among the nodes, the
@@ -19,16 +23,18 @@ Per round, for every row (rows are independent):
             at the last one (the bonus).
     compact the keys / values of the root and the k path nodes are written to
             the cache contiguously at slots n .. n + k (their RoPE positions
-            were already n + depth), and the drafter commits the same path.
+            were already n + depth); then the round ends like a chain round
+            (`finish`): the drafter reads the same path.
 
-The best path of a stage scores sum_i max log q_i: the chain drafter's stage
-confidence (the gate's score is unchanged by trees). Whether a stage's tree
-must keep its best path is known when it is built (the gate is read first).
+The best path of a stage scores its log q: for per-position distributions
+sum_i max log q_i, the chain drafter's stage confidence (the gate's score is
+unchanged by trees). Whether a stage's tree must keep its best path is known
+when it is built (the gate is read first).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +42,10 @@ from flax import struct
 
 from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
+from dloop_jax.decoding import finish as finish_lib
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models.transformer import Transformer
@@ -48,8 +56,8 @@ class Drafted:
   """The drafted tree of every row.
 
   Attributes:
-    tree: [B, S_max * budget] nodes; stage s's nodes sit at slots
-      s * budget .. (s + 1) * budget - 1 (padding where the row did not draft it).
+    tree: [B, S_max * budget] nodes of every stage, ordered by path score
+      (`tree.by_score`: any first b nodes form a tree), padding last.
     num_stages: [B] stages drafted.
   """
 
@@ -80,55 +88,38 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   zeros = jnp.zeros((b,), jnp.int32)
 
   def cond(c):
-    stage, _, _, _, going, _, _ = c
+    stage, _, _, _, going, _, _, _ = c
     return (stage < max_stages) & jnp.any(going)
 
   def body(c):
-    stage, dstate, tree, num_stages, going, end, end_depth = c
-    dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size)
-    best = jnp.max(ts.logprobs, axis=-1)  # [B, gamma]
+    stage, dstate, tree, num_stages, going, end, end_depth, end_score = c
+    dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size, budget=budget)
+    cands = (ts.candidates if ts.candidates is not None
+             else tree_lib.beam(ts.logprobs, width=budget))
     if dloop:
+      # The best path's log q: the chain's stage confidence for marginals
+      # (sum of the per-position maxima).
       more = going & gate_lib.continue_drafting(
-          gate_lib.stage_confidence(best), gate=gate, stages_done=stage + 1,
-          max_stages=max_stages)
+          cands.best_score, gate=gate, stages_done=stage + 1, max_stages=max_stages)
     else:
       more = jnp.zeros_like(going)
-    t, best_end = tree_lib.build(ts.logprobs, budget=budget, keep_best_path=more)
+    t, best_end = tree_lib.select(cands, budget=budget, keep_best_path=more)
     if ts.vocab is not None:
       t = t.replace(tokens=ts.vocab[t.tokens])
     offset = stage * budget
-    t = tree_lib.attach(t, offset=offset, parent=end, depth=end_depth, active=going)
+    t = tree_lib.attach(t, offset=offset, parent=end, depth=end_depth, active=going,
+                        score=end_score)
     tree = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, offset, 1),
                         tree, t)
     end = jnp.where(more, best_end + offset, end)
     end_depth = jnp.where(more, end_depth + block_size, end_depth)
-    return stage + 1, dstate, tree, num_stages + going, more, end, end_depth
+    end_score = jnp.where(more, end_score + cands.best_score, end_score)
+    return stage + 1, dstate, tree, num_stages + going, more, end, end_depth, end_score
 
-  _, state, tree, num_stages, _, _, _ = jax.lax.while_loop(
-      cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros))
-  return state, Drafted(tree=tree, num_stages=num_stages)
-
-
-@struct.dataclass
-class Verified:
-  """One tree verification, compacted.
-
-  Attributes:
-    cache: the target cache with [root, path...] written at slots n .. n + D
-      (lengths still to be set by the caller).
-    num_accepted: [B] k.
-    new_tokens: [B, D + 1] the accepted path's tokens, then the bonus.
-    tokens: [B, D + 1] what the target read along the path: x_n, path tokens.
-    taps: [B, D + 1, n_taps, Dm] target taps along the path.
-    width: scalar, the width of the forward that ran.
-  """
-
-  cache: kv_lib.KVCache
-  num_accepted: jax.Array
-  new_tokens: jax.Array
-  tokens: jax.Array
-  taps: jax.Array
-  width: jax.Array
+  _, state, tree, num_stages, _, _, _, _ = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros,
+                   jnp.zeros((b,), jnp.float32)))
+  return state, Drafted(tree=tree_lib.by_score(tree), num_stages=num_stages)
 
 
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -137,10 +128,19 @@ def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
-           pending: jax.Array, drafted: Drafted, block_size: int, max_stages: int, budget: int,
-           sampling: sampling_lib.SamplingConfig, key: jax.Array) -> Verified:
-  """One target forward over [pending, nodes...], the walk, and the compaction."""
-  tree = drafted.tree
+           pending: jax.Array, tree: tree_lib.Tree, num_verified: jax.Array, branch: jax.Array,
+           widths: tuple[int, ...], block_size: int, max_stages: int,
+           sampling: sampling_lib.SamplingConfig, key: jax.Array) -> finish_lib.Verified:
+  """One target forward over [pending, the first nodes...], the walk, and the compaction.
+
+  Args:
+    tree: [B, N] nodes ordered by path score (`tree.by_score`).
+    num_verified: [B] nodes each row verifies: its first ones (a tree).
+    branch: scalar index into `widths`: the forward reads [pending, nodes
+      0 .. widths[branch] - 2], which holds every row's verified nodes.
+    widths: the compiled widths (static), 1 + node counts.
+  """
+  tree = tree_lib.first_nodes(tree, num_verified)
   depth = max_stages * block_size
   mask = tree_lib.ancestor_mask(tree, max_depth=depth)  # [B, 1 + N, 1 + N]
   tokens = jnp.concatenate([pending[:, None], tree.tokens], axis=1)
@@ -150,9 +150,7 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
   def pad(x):
     return jnp.pad(x, [(0, 0), (0, full - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
-  def branch_fn(stages: int):
-    w = 1 + stages * budget
-
+  def branch_fn(w: int):
     def run():
       # Read-only (write_cache=False): the path is written after the walk.
       o = target(tokens[:, :w], positions=positions[:, :w], cache=cache,
@@ -163,10 +161,7 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
 
     return run
 
-  # Nodes of stages no row drafted are padding in every row: the narrowest
-  # forward that holds every row's tree suffices.
-  branch = jnp.clip(jnp.max(drafted.num_stages) - 1, 0, max_stages - 1)
-  branches = [branch_fn(s) for s in range(1, max_stages + 1)]
+  branches = [branch_fn(w) for w in widths]
   if len(branches) == 1:
     chosen, taps_out, new_kv, width = branches[0]()
   else:
@@ -174,16 +169,34 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
   w = tree_lib.walk(tree, chosen=chosen, mask=mask, max_depth=depth)
   # Compaction: the root and the path, in order, at slots n .. n + D.
   path_kv = jax.tree.map(lambda x: _gather(x, w.path), new_kv)
-  return Verified(cache=cache.append(path_kv), num_accepted=w.num_accepted,
-                  new_tokens=w.new_tokens, tokens=_gather(tokens, w.path),
-                  taps=_gather(taps_out, w.path), width=width)
+  return finish_lib.Verified(cache=cache.append(path_kv), num_accepted=w.num_accepted,
+                             new_tokens=w.new_tokens, tokens=_gather(tokens, w.path),
+                             taps=_gather(taps_out, w.path), width=width)
+
+
+def node_confidence(tree: tree_lib.Tree) -> jax.Array:
+  """[B, N] c_i with prod_{k <= i} c_k = q(node i's path), for nodes ordered by score.
+
+  Then the scheduler's E(b) = 1 + sum_{i <= b} prod_{k <= i} c_k is
+  1 + sum_{i <= b} q(path_i): the expected accepted nodes of the first b
+  nodes, were the drafter's path probabilities calibrated, plus the bonus.
+  """
+  prev = jnp.concatenate([jnp.zeros_like(tree.scores[:, :1]), tree.scores[:, :-1]], axis=1)
+  return jnp.where(tree.valid, jnp.exp(tree.scores - jnp.where(tree.valid, prev, 0.0)), 0.0)
 
 
 def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, max_stages: int,
               budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
               key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array,
-              commit_counts: Callable):
-  """One tree round on the engine's loop state `lp` (see `engine._Loop`)."""
+              schedule: str, widths: tuple[int, ...], costs: jax.Array):
+  """One tree round on the engine's loop state `lp` (see `engine._Loop`).
+
+  schedule="off" verifies every node; "cost" the first b nodes by path score
+  (a tree), b from the compiled `widths` maximising E(b) / cost(1 + b)
+  (`schedule.choose` with `node_confidence`; b = 0 is a plain step). Which
+  nodes are verified depends on the drafter alone, never on the target's
+  tokens, so the walk stays lossless for sampling too.
+  """
   active = ~lp.done
   starts = lp.cache.lengths
   round_key = jax.random.fold_in(key, lp.round)
@@ -194,40 +207,18 @@ def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, m
   dstate, drafted = draft(drafter, dstate, going=going, gate=gate,
                           dloop=mode == "dloop", block_size=block_size, max_stages=max_stages,
                           budget=budget)
-  v = verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
-             drafted=drafted, block_size=block_size, max_stages=max_stages, budget=budget,
-             sampling=sampling, key=round_key)
-
-  counts, finished = commit_counts(
-      new_tokens=v.new_tokens, num_valid=jnp.where(active, v.num_accepted + 1, 0),
-      num_new=lp.num_new, max_new_tokens=max_new_tokens, stop=stop)
-  committed = counts > 0
-  last = jnp.take_along_axis(v.new_tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
-  dstate = drafter.commit(dstate, tokens=v.tokens, features=v.taps, next_tokens=v.new_tokens,
-                          starts=starts, counts=counts)
-  num_stages = drafted.num_stages
   nodes = jnp.sum(drafted.tree.valid, axis=1).astype(jnp.int32)
-  st = lp.stats
-  act = active.astype(jnp.int32)
-  st = st.replace(
-      rounds=st.rounds + act,
-      committed=st.committed + counts,
-      drafted=st.drafted + act * nodes,
-      verified=st.verified + act * nodes,
-      plain_rounds=st.plain_rounds + act * (nodes == 0),
-      accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
-      drafter_forwards=st.drafter_forwards + act * (
-          drafter.drafting_forwards(block_size, num_stages) + 1) + caught_up,
-      target_tokens=st.target_tokens + act * v.width,
-      stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
-          num_stages, max_stages + 1, dtype=jnp.int32))
-  return lp.replace(
-      cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),
-      drafter_state=dstate, deferred=deferred,
-      pending=jnp.where(committed, last, lp.pending),
-      out=kv_lib.write_rows(lp.out, v.new_tokens, lp.num_new),
-      num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
-      backoff=draft_policy.update(lp.backoff, drafted=active & (num_stages > 0),
-                                  accepted=jnp.where(active, v.num_accepted, 0),
-                                  max_skip=max_skip),
-      round=lp.round + 1)
+  if schedule == "cost":
+    choice = schedule_lib.choose(confidence=node_confidence(drafted.tree), num_drafts=nodes,
+                                 active=active, widths=widths, costs=costs, causal=False)
+  else:
+    choice = schedule_lib.verify_all(num_drafts=nodes, active=active, widths=widths)
+  v = verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
+             tree=drafted.tree, num_verified=choice.num_verified, branch=choice.branch,
+             widths=widths, block_size=block_size, max_stages=max_stages, sampling=sampling,
+             key=round_key)
+  return finish_lib.finish_round(
+      lp, v=v, drafter=drafter, drafter_state=dstate, deferred=deferred, caught_up=caught_up,
+      num_stages=drafted.num_stages, num_drafted=nodes, num_verified=choice.num_verified,
+      block_size=block_size, max_stages=max_stages, max_new_tokens=max_new_tokens, stop=stop,
+      max_skip=max_skip)

@@ -97,17 +97,24 @@ class DraftStage:
 
 @struct.dataclass
 class TreeStage:
-  """One stage's per-position draft distributions, for a draft tree.
+  """One stage of a draft tree: per-position distributions, or scored prefixes.
+
+  A parallel drafter gives `logprobs` (the engine takes the top prefixes,
+  `decoding.tree.beam`); a drafter whose distributions depend on the path
+  (EAGLE-3's dynamic tree) scores the prefixes itself: `candidates`.
 
   Attributes:
     logprobs: [B, gamma, Vd] f32 log-softmax of the drafter's unprocessed
-      (temperature 1) logits at each of the gamma positions.
+      (temperature 1) logits at each of the gamma positions, or None.
     vocab: [Vd] int32 target id of each column, or None when the columns are
       target ids (Vd = V).
+    candidates: a `decoding.tree.Candidates` beam (tokens are target ids), or
+      None.
   """
 
-  logprobs: jax.Array
+  logprobs: jax.Array | None = None
   vocab: jax.Array | None = None
+  candidates: Any = None
 
 
 class Drafter(nnx.Module):
@@ -184,13 +191,14 @@ class Drafter(nnx.Module):
   # Whether `draft_tree_stage` is implemented (tree verification, `tree_budget`).
   supports_trees: bool = False
 
-  def draft_tree_stage(self, state: DrafterState, *,
-                       block_size: int) -> tuple[DrafterState, TreeStage]:
-    """The next `block_size` positions' draft distributions, for a draft tree.
+  def draft_tree_stage(self, state: DrafterState, *, block_size: int,
+                       budget: int) -> tuple[DrafterState, TreeStage]:
+    """The next `block_size` positions of a draft tree of `budget` nodes.
 
     The state continues along the stage's best path (the argmax token at every
-    position), exactly as after a greedy `draft_stage`: a following stage
-    drafts from that path's end.
+    position for per-position distributions; the best-scoring full-depth
+    prefix of `candidates`), exactly as after drafting that path as a chain:
+    a following stage drafts from that path's end.
     """
     raise NotImplementedError
 

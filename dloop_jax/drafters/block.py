@@ -319,7 +319,8 @@ class BlockDrafter(Drafter):
 
   supports_trees = True
 
-  def draft_tree_stage(self, state, *, block_size):
+  def draft_tree_stage(self, state, *, block_size, budget):
+    del budget  # the engine takes the top prefixes of the marginals
     # The block's outputs (and so the stand-in context) do not depend on the
     # tokens drafted: the best path only decides the next anchor.
     state, h = self.backbone_stage(state, block_size)

@@ -40,15 +40,20 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.decoding import sampling as sampling_lib
+from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.drafters import layers
 from dloop_jax.drafters import vocab as vocab_lib
-from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, VocabMap
+from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, TreeStage, VocabMap
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts  # noqa: F401 (re-exported)
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
 from dloop_jax.models.transformer import Transformer, attention, rms_norm
+
+# Dynamic draft trees: frontier nodes expanded per depth, and children kept per
+# node (EAGLE-2's top-k, 10 there); capped by the tree budget.
+TREE_WIDTH = 8
 
 
 @struct.dataclass
@@ -274,6 +279,92 @@ class Eagle3Drafter(Drafter):
     return state, DraftStage(
         tokens=jnp.concatenate(tokens, axis=1), logprobs=jnp.concatenate(logprobs, axis=1),
         probs=jnp.concatenate(probs, axis=1) if probs else None)
+
+  # ------------------------------------------------------------ draft trees
+  supports_trees = True
+
+  def draft_tree_stage(self, state, *, block_size, budget):
+    """A dynamic draft tree (EAGLE-2) of depth gamma: one batched forward per depth.
+
+    The beam of depth d holds the W = min(budget, TREE_WIDTH, Vd) best
+    prefixes of that depth by path log-probability. One drafter forward reads
+    the pairs (parent's hidden state, own token) of all W nodes at once, at
+    position n + d - 1 (n = `lengths`), each seeing the committed slots and
+    its own ancestors' pairs (kept in a scratch buffer beside the cache: the
+    tree mask); its W outputs give each node's top W children, and the W best
+    of the W * W children by path log-probability are the beam of depth d + 1.
+    The last depth needs no forward: gamma - 1 forwards, as a chain stage.
+
+    The state then continues along the best path (the best prefix of depth
+    gamma): its pairs of depths 1..gamma - 1 are written to the cache at slots
+    n .. n + gamma - 2 and its last token is pending, exactly the state after
+    drafting that path as a chain (a node's hidden state is computed over its
+    ancestors only, as a chain's over its prefix).
+    """
+    state = jax.lax.cond(state.has_pending, self._read_pending, lambda st: st, state)
+    gamma = block_size
+    b, d_model = state.hidden.shape
+    w = min(budget, TREE_WIDTH, self.draft_vocab_size)
+    n = state.lengths
+    capacity = state.k.shape[1]
+    scratch = (gamma - 1) * w
+    cache_mask = jnp.broadcast_to((jnp.arange(capacity)[None, :] < n[:, None])[:, None, :],
+                                  (b, w, capacity))
+
+    root_lp = jax.nn.log_softmax(self.draft_logits(state.hidden))  # [B, Vd]
+    score, token = jax.lax.top_k(root_lp, w)  # [B, W] best first
+    token = token.astype(jnp.int32)
+    parent_slot = jnp.full((b, w), -1, jnp.int32)
+    feature = jnp.broadcast_to(state.hidden[:, None], (b, w, d_model))  # parents' hidden
+    sk = jnp.zeros((b, scratch) + state.k.shape[2:], state.k.dtype)
+    sv = jnp.zeros_like(sk)
+    anc = jnp.zeros((b, w, scratch), bool)  # scratch slots each beam node sees
+    tokens, scores, parents, hiddens = [token], [score], [parent_slot], []
+    for depth in range(1, gamma):
+      at = (depth - 1) * w
+      positions = jnp.broadcast_to((n + depth - 1)[:, None], (b, w))
+      q, k, v = self._qkv(self.to_target_ids(token), feature, positions)
+      sk = sk.at[:, at:at + w].set(k)
+      sv = sv.at[:, at:at + w].set(v)
+      anc = anc.at[:, :, at:at + w].set(jnp.eye(w, dtype=bool)[None])
+      mask = jnp.concatenate([cache_mask, anc], axis=-1)
+      out = attention(q, jnp.concatenate([state.k, sk], axis=1),
+                      jnp.concatenate([state.v, sv], axis=1), mask)
+      h = self._finish(feature, out)  # [B, W, D]
+      hiddens.append(h)
+      child_lp, child = jax.lax.top_k(jax.nn.log_softmax(self.draft_logits(h)), w)  # [B, W, W]
+      cand = score[:, :, None] + child_lp
+      score, flat = jax.lax.top_k(cand.reshape(b, w * w), w)
+      parent_slot = (flat // w).astype(jnp.int32)
+      token = jnp.take_along_axis(child.reshape(b, w * w), flat, axis=1).astype(jnp.int32)
+      feature = jnp.take_along_axis(h, parent_slot[:, :, None], axis=1)
+      anc = jnp.take_along_axis(anc, parent_slot[:, :, None], axis=1)
+      tokens.append(token)
+      scores.append(score)
+      parents.append(parent_slot)
+
+    # The best path, from slot 0 of the last depth back to the root.
+    slot = jnp.zeros((b,), jnp.int32)
+    slots = [slot]
+    for depth in range(gamma - 1, 0, -1):
+      slot = jnp.take_along_axis(parents[depth], slot[:, None], axis=1)[:, 0]
+      slots.append(slot)
+    slots = slots[::-1]  # [gamma] x [B]: the path's slot at depths 1..gamma
+    best = jnp.stack([jax.nn.one_hot(sl, w, dtype=bool) for sl in slots], axis=1)
+    if gamma > 1:
+      path = (jnp.arange(gamma - 1)[None, :] * w + jnp.stack(slots[:-1], axis=1))  # [B, gamma-1]
+      pk = jnp.take_along_axis(sk, path[:, :, None, None], axis=1)
+      pv = jnp.take_along_axis(sv, path[:, :, None, None], axis=1)
+      state = state.replace(
+          k=kv_lib.write_rows(state.k, pk, n), v=kv_lib.write_rows(state.v, pv, n),
+          hidden=jnp.take_along_axis(hiddens[-1], slots[-2][:, None, None], axis=1)[:, 0],
+          lengths=n + gamma - 1)
+    cands = tree_lib.Candidates(
+        tokens=self.to_target_ids(jnp.stack(tokens, axis=1)).astype(jnp.int32),
+        scores=jnp.stack(scores, axis=1), parents=jnp.stack(parents, axis=1), best=best)
+    last = self.to_target_ids(tokens[-1][:, 0]).astype(jnp.int32)
+    state = state.replace(pending=last, has_pending=jnp.ones((), bool))
+    return state, TreeStage(candidates=cands)
 
   # --------------------------------------------------------------- training
   def ttt_hiddens(self, *, tokens: jax.Array, features: jax.Array, positions: jax.Array,

@@ -10,14 +10,18 @@ order rotates from prompt to prompt) after a warm-up: our `ar`; for every
 drafter our `sd` and `dloop` with the same gamma (the drafter's trained block
 size unless --block-size), verifying the prefix of the drafts that pays (the
 scheduler, `sd` / `dloop`) and every draft (`sd/all` / `dloop/all`), see
---schedules; HF transformers (PyTorch) greedy `generate()` and
+--schedules; with --tree-budgets, the same with draft trees of B nodes per
+stage (`sd/treeB`, `dloop/treeB`, and `/all`); HF transformers (PyTorch) greedy `generate()` and
 its prompt-lookup decoding on the same weights and threads (--no-peers leaves
 them out). Greedy by default; every output is compared with our `ar` output
 (identical, or differing only after a near-tie of the target, DESIGN.md §4).
 
 Writes DIR/results.json (`rows`: one per category x method x drafter, plus
 `overall`; `records`: one per prompt x method; `sweep`), DIR/results.md and
-DIR/speedup.png (and DIR/gate_sweep.png with --sweep).
+DIR/speedup.png (and DIR/gate_sweep.png with --sweep, DIR/trees.png with tree budgets: τ and
+tokens/s against the budget per drafter). The table's "modeled speedup" is the
+speedup on an accelerator where every forward costs one step whatever its
+width (`report.modeled_speedup`).
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ def _parse(argv):
   p.add_argument("--costs", default=None,
                  help="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
                       " target's cached table, measured on first use)")
+  p.add_argument("--tree-budgets", type=_ints, default=[0],
+                 help="comma-separated draft tree budgets B (nodes per stage) of sd / dloop; 0"
+                      " is the chain (e.g. 0,8,16,32; drafters with draft trees only)")
+  p.add_argument("--tree-schedules", default="off",
+                 help="verification schedules of the tree rows: off (the whole tree;"
+                      " sd/treeB/all, dloop/treeB/all) and / or cost (the best nodes that pay)")
   p.add_argument("--no-peers", action="store_true", help="leave out the transformers peers")
   p.add_argument("--pld-tokens", type=int, default=10,
                  help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
@@ -115,7 +125,28 @@ def _record(prompt, method, run, *, prompt_len: int) -> dict:
               stage_histogram=run.stage_histogram, target_forwards=run.target_forwards,
               drafter_forwards=run.drafter_forwards, target_tokens=run.target_tokens,
               drafted=run.drafted, verified=run.verified, plain_rounds=run.plain_rounds,
+              tree_budget=getattr(method, "tree_budget", 0),
+              mode=getattr(method, "method", method.method_name),
+              draft_cost_ratio=_draft_cost_ratio(getattr(method, "drafter", None),
+                                                 getattr(method, "target", None)),
               tokens=run.tokens)
+
+
+def _ratio(x) -> str:
+  return f"{x:.2f}x" if x else "-"
+
+
+def _draft_cost_ratio(drafter, target) -> float:
+  """Modeled cost of a drafter forward in target steps: its decoder layers / the target's.
+
+  On an accelerator decoding is weight-streaming bound and a forward of a few
+  tokens costs about one step; the heads (shared embedding / LM head) are left
+  out for both.
+  """
+  if drafter is None or target is None:
+    return 0.0
+  layers = getattr(getattr(drafter, "spec", None), "num_layers", 1)
+  return layers / target.config.num_layers
 
 
 def _check_against_ar(target, prompt_ids, ar_tokens, rec, *, greedy: bool) -> None:
@@ -190,7 +221,8 @@ def main(argv=None) -> int:
     if not schedules or any(x not in ("cost", "off") for x in schedules):
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     costs = None
-    if "cost" in schedules and drafters:
+    if "cost" in schedules + ([x for x in args.tree_schedules.split(",") if x.strip()]
+                              if any(args.tree_budgets) else []) and drafters:
       from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
       t0 = time.perf_counter()
       table = (costs_lib.as_table(args.costs) if args.costs else
@@ -201,13 +233,28 @@ def main(argv=None) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
                   seed=args.seed)
     methods = [methods_lib.Ours(method="ar", target=target.model, **common)]
+    if any(b < 0 for b in args.tree_budgets):
+      raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
+    tree_schedules = [x.strip() for x in args.tree_schedules.split(",") if x.strip()]
+    if any(x not in ("cost", "off") for x in tree_schedules):
+      raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
     for label, d in drafters:
-      for mode in ("sd", "dloop"):
-        for schedule in schedules:
-          methods.append(methods_lib.Ours(
-              method=mode, target=target.model, drafter=d, drafter_label=label,
-              block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
-              schedule=schedule, costs=costs, draft_backoff=args.draft_backoff, **common))
+      gamma = args.block_size or d.block_size
+      for budget in dict.fromkeys(args.tree_budgets):
+        if budget and not d.supports_trees:
+          _log(f"[bench] {label}: no draft trees ({d.name}); tree budget {budget} skipped")
+          continue
+        for mode in ("sd", "dloop"):
+          if budget and mode == "dloop" and budget < gamma:
+            _log(f"[bench] {label}: dloop trees need a budget >= gamma ({gamma});"
+                 f" budget {budget} skipped")
+            continue
+          for schedule in (tree_schedules if budget else schedules):
+            methods.append(methods_lib.Ours(
+                method=mode, target=target.model, drafter=d, drafter_label=label,
+                block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
+                schedule=schedule, costs=costs, draft_backoff=args.draft_backoff,
+                tree_budget=budget, **common))
     threads = os.cpu_count() or 1
     if not args.no_peers:
       hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
@@ -260,6 +307,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.md"), "w") as f:
       f.write(table + "\n")
     report.plot_speedups(rows, os.path.join(args.out, "speedup.png"))
+    wrote_trees = report.plot_trees(rows, os.path.join(args.out, "trees.png"))
     if sweep:
       report.plot_sweep(sweep, os.path.join(args.out, "gate_sweep.png"))
     print(table)
@@ -285,8 +333,16 @@ def main(argv=None) -> int:
         print(f"{label}: dloop {dl['speedup_vs_ar']:.2f}x ar, {tps / sd['tokens_per_second']:.2f}x"
               f" sd{vs_peers}; tau {dl['acceptance_length']:.2f} (dloop) vs"
               f" {sd['acceptance_length']:.2f} (sd)")
+    for (method, label), row in overall.items():
+      chain = overall.get((method.replace(f"/tree{row['tree_budget']}", ""), label))
+      if row["tree_budget"] and chain and chain["acceptance_length"] and row["acceptance_length"]:
+        print(f"{label}: {method} tau {row['acceptance_length']:.2f}"
+              f" ({row['acceptance_length'] / chain['acceptance_length']:.2f}x the chain's),"
+              f" {row['tokens_per_second'] / chain['tokens_per_second']:.2f}x its tokens/s,"
+              f" modeled accelerator speedup {_ratio(row['modeled_speedup'])} vs"
+              f" {_ratio(chain['modeled_speedup'])}")
     _log(f"[bench] wrote {args.out}/results.json, results.md, speedup.png"
-         + (", gate_sweep.png" if sweep else ""))
+         + (", gate_sweep.png" if sweep else "") + (", trees.png" if wrote_trees else ""))
   except DLoopError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -4,6 +4,8 @@
            sd / dloop (per drafter) dloop_jax generate(mode=..., drafter=...), verifying the
                                     prefix of the drafts that pays (schedule="cost")
            sd/all, dloop/all        the same, verifying every draft (schedule="off")
+           sd/treeB/all, ...        draft trees of B nodes per stage (tree_budget=B), verified
+                                    whole ("/all") or their best nodes that pay (no "/all")
     peers  hf                       transformers (PyTorch) greedy generate()
            hf_pld                   transformers prompt-lookup decoding
                                     (generate(prompt_lookup_num_tokens=...))
@@ -61,11 +63,15 @@ class Ours:
   schedule: str = "cost"
   costs: Any = None  # the scheduler's cost table (None: generate()'s default)
   draft_backoff: int | None = None  # None: generate()'s default for the schedule
+  tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains
 
   @property
   def method_name(self) -> str:
-    """The method as reported: the mode, with "/all" when every draft is verified."""
-    return f"{self.method}/all" if self.method != "ar" and self.schedule == "off" else self.method
+    """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is verified."""
+    if self.method == "ar":
+      return self.method
+    name = self.method + (f"/tree{self.tree_budget}" if self.tree_budget else "")
+    return f"{name}/all" if self.schedule == "off" else name
 
   @property
   def label(self) -> str:
@@ -80,7 +86,8 @@ class Ours:
         gate=self.gate if gate is None else gate,
         max_stages=self.max_stages if max_stages is None else max_stages,
         sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
-        schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff)
+        schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff,
+        tree_budget=self.tree_budget)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,

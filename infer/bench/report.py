@@ -15,8 +15,22 @@ from collections.abc import Iterable, Sequence
 OVERALL = "overall"
 
 
+def modeled_tokens_per_step(recs: Sequence[dict]) -> float | None:
+  """Tokens per target step on an accelerator, modeled (not measured).
+
+  There a forward of a few to a few dozen tokens costs about one step (it
+  streams the weights once), so every target forward costs 1 whatever its
+  width, and a drafter forward `draft_cost_ratio` (its decoder layers over
+  the target's): tokens / (target forwards + ratio x drafter forwards). Our
+  `ar` scores about 1; a method's modeled speedup is its figure over ar's.
+  """
+  steps = sum(r.get("target_forwards", 0) + r.get("draft_cost_ratio", 0.0)
+              * r.get("drafter_forwards", 0) for r in recs)
+  return sum(r["new_tokens"] for r in recs) / steps if steps > 0 else None
+
+
 def _row(category: str, method: str, drafter: str, recs: Sequence[dict],
-         ar_tps: float | None) -> dict:
+         ar_tps: float | None, ar_per_step: float | None = None) -> dict:
   tokens = sum(r["new_tokens"] for r in recs)
   seconds = sum(r["seconds"] for r in recs)
   rounds = sum(r["rounds"] for r in recs)
@@ -27,12 +41,16 @@ def _row(category: str, method: str, drafter: str, recs: Sequence[dict],
       hist[stages] += count
   verifications = sum(hist.values())
   tps = tokens / seconds if seconds > 0 else 0.0
+  per_step = modeled_tokens_per_step(recs)
   checked = [r for r in recs if r.get("lossless_vs_ar") is not None]
   drafted = sum(r.get("drafted", 0) for r in recs)
   return dict(
       category=category, method=method, drafter=drafter, prompts=len(recs),
+      mode=recs[0].get("mode", method), tree_budget=recs[0].get("tree_budget", 0),
       new_tokens=tokens, seconds=seconds, tokens_per_second=tps,
       speedup_vs_ar=(tps / ar_tps) if ar_tps else None,
+      modeled_tokens_per_step=per_step,
+      modeled_speedup=(per_step / ar_per_step) if per_step and ar_per_step else None,
       acceptance_length=(committed / rounds) if rounds else None,
       stages_per_round=(sum(s * c for s, c in hist.items()) / verifications
                         if verifications else None),
@@ -56,15 +74,26 @@ def summarize(records: Iterable[dict]) -> list[dict]:
   for r in records:
     groups[(r["category"], r["method"], r["drafter"])].append(r)
     groups[(OVERALL, r["method"], r["drafter"])].append(r)
-  ar_tps = {}
+  ar_tps, ar_per_step = {}, {}
   for (category, method, _), recs in groups.items():
     if method == "ar":
       s = sum(r["seconds"] for r in recs)
       ar_tps[category] = sum(r["new_tokens"] for r in recs) / s if s > 0 else None
+      ar_per_step[category] = modeled_tokens_per_step(recs)
   order = {m: i for i, m in enumerate(("ar", "sd", "sd/all", "dloop", "dloop/all", "hf",
                                         "hf_pld"))}
-  keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], order.get(k[1], 9), k[2]))
-  return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c)) for c, m, d in keys]
+
+  def rank(method: str) -> tuple:
+    # Trees after their chain: sd, sd/tree8, sd/tree16, sd/all, sd/tree8/all, ..., dloop, ...
+    mode, _, rest = method.partition("/tree")
+    if not rest:
+      return (order.get(method, 9), 0)
+    budget, _, schedule = rest.partition("/")
+    return (order.get(f"{mode}/{schedule}" if schedule else mode, 9), int(budget))
+
+  keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], rank(k[1]), k[2]))
+  return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c), ar_per_step.get(c))
+          for c, m, d in keys]
 
 
 def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
@@ -75,14 +104,16 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
 
 def markdown(rows: Sequence[dict]) -> str:
   """The results table (one line per category, method and drafter)."""
-  head = ("| category | method | drafter | prompts | tokens/s | speedup vs ar | τ |"
+  head = ("| category | method | drafter | prompts | tokens/s | speedup vs ar |"
+          " modeled speedup (accelerator) | τ |"
           " stages/round | identical to ar | lossless (near-tie rule) | drafts verified |"
           " plain rounds |")
-  lines = [head, "|" + "---|" * 12]
+  lines = [head, "|" + "---|" * 13]
   for r in rows:
     lines.append(
         f"| {r['category']} | {r['method']} | {r['drafter'] or '–'} | {r['prompts']} |"
         f" {_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} |"
+        f" {_fmt(r.get('modeled_speedup'), '.2f', '×')} |"
         f" {_fmt(r['acceptance_length'])} | {_fmt(r['stages_per_round'])} |"
         f" {_fmt(r['identical_to_ar'], '.0%')} | {_fmt(r['lossless_vs_ar'], '.0%')} |"
         f" {_fmt(r.get('verified_fraction'), '.0%')} |"
@@ -153,3 +184,36 @@ def plot_sweep(points: Sequence[dict], path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def plot_trees(rows: Sequence[dict], path: str) -> bool:
+  """τ and tokens/s against the tree budget (0 = the chain), per drafter, mode and schedule.
+
+  Overall rows only; nothing is written (False) unless some row has a tree.
+  """
+  overall = [r for r in rows if r["category"] == OVERALL and r.get("mode") in ("sd", "dloop")]
+  if not any(r.get("tree_budget") for r in overall):
+    return False
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  series = collections.defaultdict(list)
+  for r in overall:
+    verify = "all" if r["method"].endswith("/all") else "cost"
+    series[(r["drafter"], r["mode"], verify)].append(r)
+  fig, (ax_tau, ax_tps) = plt.subplots(1, 2, figsize=(10, 4))
+  for (drafter, mode, verify), pts in sorted(series.items()):
+    pts = sorted(pts, key=lambda r: r["tree_budget"])
+    xs = [r["tree_budget"] for r in pts]
+    label = f"{drafter} {mode}" + ("/all" if verify == "all" else "")
+    ax_tau.plot(xs, [r["acceptance_length"] or 0.0 for r in pts], "o-", label=label)
+    ax_tps.plot(xs, [r["tokens_per_second"] for r in pts], "o-", label=label)
+  for ax, name in ((ax_tau, "acceptance length τ"), (ax_tps, "tokens/s (this machine)")):
+    ax.set_xlabel("tree budget B (nodes per stage; 0 = chain)")
+    ax.set_ylabel(name)
+    ax.grid(alpha=0.3)
+  ax_tps.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
