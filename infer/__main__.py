@@ -46,6 +46,10 @@ def _parse(argv):
                  help="cost: verify only the prefix of the drafts expected to pay for its"
                       " verification (per-width cost table of this target on this machine);"
                       " off: verify every draft (default: cost for chains, off for trees)")
+  p.add_argument("--confidence", choices=("auto", "drafter", "probability"), default="auto",
+                 help="c_k of --schedule cost: the drafter's learned confidence (DSpark's"
+                      " confidence head), its top draft probability, or auto (the learned one"
+                      " when the drafter has it)")
   p.add_argument("--tree-budget", type=int, default=0,
                  help="B > 0: draft a tree of the B best prefixes per stage (DDTree; block"
                       " drafter) and verify it in one target forward; 0: chains")
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
                      drafter=drafter, block_size=args.block_size, gate=args.gate,
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
                      stop_tokens=stop, schedule=args.schedule, costs=args.costs,
-                     draft_backoff=args.draft_backoff, tree_budget=args.tree_budget)
+                     draft_backoff=args.draft_backoff, tree_budget=args.tree_budget,
+                     confidence=args.confidence)
       new = out.tokens[0]
       answer = tok.decode(new, skip_special_tokens=True)
       row = out.rows[0]

@@ -57,6 +57,29 @@ class Tree:
     return self.tokens.shape[1]
 
 
+@struct.dataclass
+class Beams:
+  """The kept prefixes of every depth of a stage, before the global prune.
+
+  Depth d (1..gamma) keeps W prefixes ("beam slots"); candidate index
+  (d - 1) * W + slot numbers them depth-major.
+
+  Attributes:
+    scores: [R, gamma, W] f32 log q(prefix), -inf for empty slots; a prefix
+      scores at most its parent (log-probs are <= 0).
+    tokens: [R, gamma, W] int32 last token of each prefix.
+    parents: [R, gamma, W] int32 beam slot of the parent at depth d - 1
+      (NO_PARENT at depth 1).
+    best: [R, gamma, W] bool, the stage's best path (the drafter's chain: one
+      slot per depth, slot 0).
+  """
+
+  scores: jax.Array
+  tokens: jax.Array
+  parents: jax.Array
+  best: jax.Array
+
+
 def build(logprobs: jax.Array, *, budget: int,
           keep_best_path: jax.Array | None = None) -> tuple[Tree, jax.Array]:
   """The top-`budget` prefixes of per-position draft log-probs.
@@ -100,38 +123,70 @@ def build(logprobs: jax.Array, *, budget: int,
     tokens.append(token)
     parents.append(parent)
     bests.append(best)
+  stack = lambda xs: jnp.stack(xs, axis=1)
+  beams = Beams(scores=stack(scores), tokens=stack(tokens), parents=stack(parents),
+                best=stack(bests))
+  return prune(beams, budget=b, keep_best_path=keep_best_path)
 
-  # Global top B over the gamma * B candidates, numbered depth-major.
-  all_scores = jnp.concatenate(scores, axis=1)  # [R, gamma * B]
-  all_best = jnp.concatenate(bests, axis=1)
+
+def prune(beams: Beams, *, budget: int,
+          keep_best_path: jax.Array | None = None) -> tuple[Tree, jax.Array]:
+  """The global top `budget` of all depths' kept prefixes, as a tree.
+
+  Prefix-closed: a kept prefix's parent is kept at the previous depth, scores
+  at least as much and has a smaller candidate index (ties go to the smaller
+  index); with `keep_best_path` the best path is kept whatever it scores (it
+  is prefix-closed itself; B >= gamma is needed).
+
+  Args:
+    beams: [R, gamma, W] kept prefixes per depth.
+    budget: B, nodes per row (static).
+    keep_best_path: optional [R] bool (see `build`).
+
+  Returns:
+    The tree (N = B, parents-first) and best_end [R]: the node index of the
+    best path's depth-gamma node, or NO_PARENT where it is not in the tree.
+  """
+  r, gamma, w = beams.scores.shape
+  b = budget
+  neg_inf = jnp.float32(-jnp.inf)
+  flat = lambda x: x.reshape(r, gamma * w)
+  # Candidates numbered depth-major; padded with empty ones when fewer than B.
+  n_cand = max(gamma * w, b)
+  extra = n_cand - gamma * w
+  all_scores = jnp.pad(flat(beams.scores).astype(jnp.float32), ((0, 0), (0, extra)),
+                       constant_values=neg_inf)
+  all_best = jnp.pad(flat(beams.best), ((0, 0), (0, extra)))
+  all_tokens = jnp.pad(flat(beams.tokens), ((0, 0), (0, extra)))
+  all_parents = jnp.pad(flat(beams.parents), ((0, 0), (0, extra)))
   key = all_scores
   if keep_best_path is not None:
     key = jnp.where(all_best & keep_best_path[:, None], jnp.inf, all_scores)
   _, chosen = jax.lax.top_k(key, b)
   # Depth-major numbering: sorted, parents come first; padding goes last.
-  n_cand = gamma * b
   padding = jnp.take_along_axis(all_scores, chosen, axis=1) == neg_inf
   chosen = jnp.sort(chosen + jnp.where(padding, n_cand, 0), axis=1) % n_cand
   rows = jnp.arange(r)[:, None]
   # Candidate index -> node index (or NO_PARENT where not chosen).
-  node_of = jnp.full((r, gamma * b), NO_PARENT, jnp.int32).at[rows, chosen].set(
+  node_of = jnp.full((r, n_cand), NO_PARENT, jnp.int32).at[rows, chosen].set(
       jnp.arange(b, dtype=jnp.int32)[None, :])
 
-  depth0 = chosen // b  # depth - 1
-  beam_parent = jnp.take_along_axis(jnp.concatenate(parents, axis=1), chosen, axis=1)
-  parent_cand = (depth0 - 1) * b + beam_parent
+  depth0 = chosen // w  # depth - 1
+  beam_parent = jnp.take_along_axis(all_parents, chosen, axis=1)
+  parent_cand = (depth0 - 1) * w + beam_parent
   node_parent = jnp.where(depth0 == 0, NO_PARENT,
                           jnp.take_along_axis(node_of, jnp.maximum(parent_cand, 0), axis=1))
   node_score = jnp.take_along_axis(all_scores, chosen, axis=1)
   valid = node_score > neg_inf
   tree = Tree(
-      tokens=jnp.where(valid, jnp.take_along_axis(jnp.concatenate(tokens, axis=1), chosen,
-                                                  axis=1), 0).astype(jnp.int32),
+      tokens=jnp.where(valid, jnp.take_along_axis(all_tokens, chosen, axis=1), 0
+                       ).astype(jnp.int32),
       parents=jnp.where(valid, node_parent, NO_PARENT).astype(jnp.int32),
       depths=jnp.where(valid, depth0 + 1, 0).astype(jnp.int32),
       scores=node_score,
       valid=valid)
-  best_end = node_of[:, (gamma - 1) * b]  # beam slot 0 of the last depth
+  # The best path's depth-gamma node is in beam slot 0 of the last depth.
+  best_end = node_of[:, (gamma - 1) * w]
   return tree, best_end
 
 

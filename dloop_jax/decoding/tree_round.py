@@ -93,7 +93,10 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
           max_stages=max_stages)
     else:
       more = jnp.zeros_like(going)
-    t, best_end = tree_lib.build(ts.logprobs, budget=budget, keep_best_path=more)
+    if ts.beams is not None:  # the drafter grew path-dependent beams (DARTree)
+      t, best_end = tree_lib.prune(ts.beams, budget=budget, keep_best_path=more)
+    else:
+      t, best_end = tree_lib.build(ts.logprobs, budget=budget, keep_best_path=more)
     if ts.vocab is not None:
       t = t.replace(tokens=ts.vocab[t.tokens])
     offset = stage * budget

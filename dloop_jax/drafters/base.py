@@ -104,10 +104,16 @@ class TreeStage:
       (temperature 1) logits at each of the gamma positions.
     vocab: [Vd] int32 target id of each column, or None when the columns are
       target ids (Vd = V).
+    beams: a `decoding.tree.Beams` [B, gamma, W] the drafter grew itself
+      (DARTree: distributions that depend on the path), pruned to the tree
+      instead of the top prefixes of the marginals `logprobs`; `logprobs` is
+      then the distributions along the stage's best path (the gate's score).
+      None: the marginals are the tree's.
   """
 
   logprobs: jax.Array
   vocab: jax.Array | None = None
+  beams: Any = None
 
 
 class Drafter(nnx.Module):
@@ -183,6 +189,11 @@ class Drafter(nnx.Module):
 
   # Whether `draft_tree_stage` is implemented (tree verification, `tree_budget`).
   supports_trees: bool = False
+
+  @property
+  def has_confidence(self) -> bool:
+    """Whether `draft_stage` returns a learned `DraftStage.confidence` (the scheduler's c_k)."""
+    return False
 
   def draft_tree_stage(self, state: DrafterState, *,
                        block_size: int) -> tuple[DrafterState, TreeStage]:

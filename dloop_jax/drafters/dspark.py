@@ -69,6 +69,10 @@ class DSparkDrafter(BlockDrafter):
     else:
       self.confidence_proj = self.confidence_bias = None
 
+  @property
+  def has_confidence(self) -> bool:
+    return self.confidence_proj is not None
+
   # ------------------------------------------------------------------ heads
   def markov_bias(self, prev: jax.Array) -> jax.Array:
     """Previous tokens [...] -> f32 logit bias [..., V] (0 without a Markov head)."""
