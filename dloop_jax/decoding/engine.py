@@ -30,7 +30,8 @@ whole tree, the walk, compaction of the accepted path).
 A Python-side cache keyed by every static choice (model structure, shapes,
 mode, gamma, S_max, schedule, sampling, stop tokens) holds the compiled
 executables, so a second call with the same shapes runs without tracing or
-compiling. The gate g and the cost table are traced arrays: sweeping them does
+compiling. The gate g, the cost table, the back-off and the source of the
+scheduler's confidences (`confidence=`) are traced arrays: sweeping them does
 not recompile.
 """
 
@@ -739,7 +740,7 @@ def generate(
       "drafter", the drafter's learned confidence (`Drafter.has_confidence`:
       DSpark's confidence head); "probability", the drafter's top draft
       probability (`schedule.draft_confidence`); "auto" (default), the first
-      when the drafter has one.
+      when the drafter has one. A traced value: switching does not recompile.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
