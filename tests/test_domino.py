@@ -136,7 +136,14 @@ def test_dartree_nodes_score_their_corrected_paths(learnable, drafters):
   tree, _ = tree_lib.prune(ts.beams, budget=8)
   parents, valid = np.asarray(tree.parents), np.asarray(tree.valid)
   assert valid.all() and np.all(parents < np.arange(8))
-  assert np.all((parents == -1) == (np.asarray(tree.depths) == 1))
+  depths = np.asarray(tree.depths)
+  assert np.all((parents == -1) == (depths == 1))
+  assert np.all(np.where(parents >= 0, np.take_along_axis(depths, np.maximum(parents, 0), 1),
+                         0) == depths - 1)
+  # A budget past the gamma * W kept prefixes: all of them, then padding.
+  tree, _ = tree_lib.prune(ts.beams, budget=gamma * w + 2)
+  assert np.asarray(tree.valid).sum(1).tolist() == [gamma * w] * b
+  assert not np.asarray(tree.valid)[:, -2:].any()
 
 
 def test_dartree_greedy_lossless(learnable, drafters):

@@ -18,7 +18,7 @@ from dloop_jax.errors import ConfigError
 from dloop_jax.training import dspark_objective
 from lossless import assert_same_or_near_tie
 from head_drafter_tests import (  # noqa: F401  (fixtures and tests collected here)
-    CONFIGS, _teacher_forced, _train, _train_eal, drafters, learnable,
+    CONFIGS, GAMMA, _teacher_forced, _train, _train_eal, drafters, learnable,
     test_draft_stage_matches_teacher_forced_heads, test_export_and_load, test_greedy_lossless,
     test_loop_aware_objective, test_sampling_first_three_tokens,
     test_trainer_trains_the_tiny_config, test_training_raises_engine_acceptance_length)
