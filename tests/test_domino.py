@@ -154,7 +154,7 @@ def test_dartree_greedy_lossless(learnable, drafters):
   target, _, held = learnable
   prompts = _held_prompts(held, 0, 3)
   ar = generate(target, prompts, max_new_tokens=40)
-  for gate in (-math.inf, -0.5, math.inf):
+  for gate in (-math.inf, math.inf):
     out = generate(target, prompts, max_new_tokens=40, mode="dloop", drafter=drafters["trained"],
                    block_size=GAMMA, max_stages=2, gate=gate, tree_budget=6)
     for p, want, got in zip(prompts, ar.tokens, out.tokens):
@@ -162,10 +162,8 @@ def test_dartree_greedy_lossless(learnable, drafters):
       assert_same_or_near_tie(target, p, want, got)
     t = out.total
     assert t.accepted <= t.verified == t.drafted and t.acceptance_length > 1.3
-    if gate == math.inf:
-      assert t.stage_histogram[2] == 0
-    elif gate == -math.inf:
-      assert t.stage_histogram[2] == t.rounds  # every round grows a second tree from the first
+    # gate +inf: one tree per round; -inf: every round grows a second tree from the first.
+    assert t.stage_histogram[2] == (0 if gate == math.inf else t.rounds)
 
 
 def test_dartree_sampling_first_three_tokens(learnable, drafters):
@@ -173,7 +171,7 @@ def test_dartree_sampling_first_three_tokens(learnable, drafters):
   target = learnable[0]
   sampling = SamplingConfig(temperature=1.0, top_k=4)
   prompt = [3, 14, 15]
-  out = generate(target, [prompt] * 2000, max_new_tokens=3, mode="dloop",
+  out = generate(target, [prompt] * 1200, max_new_tokens=3, mode="dloop",
                  drafter=drafters["trained"], block_size=2, gate=-math.inf, max_stages=2,
                  sampling=sampling, seed=13, tree_budget=4)
   samples = [tuple(t[:3]) for t in out.tokens]

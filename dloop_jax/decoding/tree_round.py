@@ -4,7 +4,8 @@ Per round, for every row (rows are independent):
 
     draft   stage 1: the drafter's per-position distributions q_1..q_gamma
             after the pending token x_n -> a tree of the top B prefixes
-            (`tree.build`), hanging from the root x_n.
+            (`tree.build`; or of the drafter's own beams, `tree.prune`:
+            DARTree), hanging from the root x_n.
             dloop: while the best path's stage confidence passes the gate
             (and fewer than S_max stages), stage s+1 is drafted from the end
             of stage s's best path (the argmax token at every position; it is
