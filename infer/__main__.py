@@ -56,6 +56,10 @@ def _parse(argv):
                       " verification (per-width cost table of this target on this machine);"
                       " (with trees: the best nodes by path score); off: verify every draft"
                       " (default: cost for chains, off for trees)")
+  p.add_argument("--confidence", choices=("auto", "drafter", "probability"), default="auto",
+                 help="c_k of --schedule cost: the drafter's learned confidence (DSpark's"
+                      " confidence head), its top draft probability, or auto (the learned one"
+                      " when the drafter has it)")
   p.add_argument("--tree-budget", type=int, default=0,
                  help="B > 0: draft a tree of the B best prefixes per stage (block drafter:"
                       " DDTree; EAGLE-3: dynamic tree) and verify it in one target forward;"
@@ -157,7 +161,8 @@ def main(argv=None) -> int:
                      drafter=drafter, block_size=args.block_size, gate=args.gate,
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
                      stop_tokens=stop, schedule=args.schedule, costs=args.costs,
-                     draft_backoff=args.draft_backoff, tree_budget=args.tree_budget)
+                     draft_backoff=args.draft_backoff, tree_budget=args.tree_budget,
+                     confidence=args.confidence)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
                 drafter=drafter, tok=tok)

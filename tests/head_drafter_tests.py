@@ -40,6 +40,8 @@ CONFIGS = {
                "correction_rank": 16},
 }
 TRAIN_CFG = {"anchors_per_sequence": 8}
+# A shallow cost table (each extra token 10 % of a step) for the sampling test's scheduler.
+SHALLOW_COSTS = {w: 1.0 + 0.1 * (w - 1) for w in range(1, 6)}
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +108,26 @@ def test_sampling_first_three_tokens(learnable, drafters, kind):
   Token 1 comes from the prefill, tokens 2 and 3 from verifying d_1 and d_2 of
   one stage, where d_2 is sampled from the head's distribution given d_1 (the
   Markov bias / the GRU state): the rejection rule must see exactly that q.
+  The scheduler decides how many drafts to verify from c_k, under a cost table
+  where those decisions vary here (the CPU table verifies nothing of the
+  confidence head's, which rightly expects ~10 % acceptance at T = 1): for
+  DSpark both from its confidence head and from its probabilities (one
+  compiled program: the choice is a traced value).
   """
   target = learnable[0]
   sampling = SamplingConfig(temperature=1.0, top_k=4)
   prompt = [3, 14, 15]
-  out = generate(target, [prompt] * 2000, max_new_tokens=3, mode="dloop",
-                 drafter=drafters["trained"], block_size=2, gate=-math.inf, max_stages=2,
-                 sampling=sampling, seed=12)
-  samples = [tuple(t[:3]) for t in out.tokens]
   exact = reference.exact_distribution(target, prompt, sampling, depth=3)
-  assert reference.chi_square_pvalue(samples, exact)[0] > 1e-3
+  for confidence in (("drafter", "probability") if kind == "dspark" else ("auto",)):
+    out = generate(target, [prompt] * 2000, max_new_tokens=3, mode="dloop",
+                   drafter=drafters["trained"], block_size=2, gate=-math.inf, max_stages=2,
+                   sampling=sampling, seed=12, draft_backoff=0, confidence=confidence,
+                   costs=SHALLOW_COSTS)
+    samples = [tuple(t[:3]) for t in out.tokens]
+    assert reference.chi_square_pvalue(samples, exact)[0] > 1e-3, confidence
+    total = out.total
+    # The decisions vary with c_k: some drafts are verified, others not.
+    assert 0 < total.verified < total.drafted, (confidence, total.as_dict())
 
 
 # ---------------------------------------------------- inference = training path

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,11 +12,13 @@ import pytest
 from flax import nnx
 
 import draft_training
+from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import dspark_objective
+from lossless import assert_same_or_near_tie
 from head_drafter_tests import (  # noqa: F401  (fixtures and tests collected here)
-    CONFIGS, _teacher_forced, _train, _train_eal, drafters, learnable,
+    CONFIGS, GAMMA, _teacher_forced, _train, _train_eal, drafters, learnable,
     test_draft_stage_matches_teacher_forced_heads, test_export_and_load, test_greedy_lossless,
     test_loop_aware_objective, test_sampling_first_three_tokens,
     test_trainer_trains_the_tiny_config, test_training_raises_engine_acceptance_length)
@@ -53,6 +58,75 @@ def test_confidence_tracks_acceptance(learnable, drafters):
         f" {accepted.mean():.3f}")
   assert corr > 0.3 and auc > 0.7
   assert abs(conf.mean() - accepted.mean()) < 0.15  # calibrated, not only ranked
+
+
+def test_scheduled_by_confidence_head_greedy_lossless(learnable, drafters):
+  """schedule="cost" with c_k from the confidence head (the default for DSpark) or from the
+  draft probabilities: greedy output = ar, and the head changes what is verified."""
+  target, _, held = learnable
+  prompts = [h["prompt"] for h in held[:3]]
+  ar = generate(target, prompts, max_new_tokens=40)
+  runs = {c: generate(target, prompts, max_new_tokens=40, mode="dloop",
+                      drafter=drafters["trained"], block_size=3, max_stages=3, gate=-1.0,
+                      draft_backoff=0, confidence=c)
+          for c in ("auto", "drafter", "probability")}
+  for out in runs.values():
+    for p, want, got in zip(prompts, ar.tokens, out.tokens):
+      assert_same_or_near_tie(target, p, want, got)
+  stats = {c: out.total.as_dict() for c, out in runs.items()}
+  assert stats["auto"] == stats["drafter"] != stats["probability"]
+  assert 0 < stats["drafter"]["verified"] < stats["drafter"]["drafted"]
+
+
+def _modeled_cost(row, *, fixed, per_token):
+  """A batch-1 row's summed forward cost under cost(1) = 1, cost(w) = fixed + per_token * w
+  (w >= 2): exact from its statistics (plain rounds are the width-1 forwards)."""
+  wide = row.rounds - row.plain_rounds
+  return row.plain_rounds + wide * fixed + per_token * (row.target_tokens - row.plain_rounds)
+
+
+# cost(w) / cost(1) of a 2-core CPU (conftest's SmolLM2 table: 1.35, 1.53, 1.63, 1.92, 2.15 at
+# widths 2, 3, 4, 7, 10) and of an accelerator (nearly flat), affine past width 1.
+MEASURE_TABLES = {"cpu": (1.25, 0.10), "flat": (1.0, 0.02)}
+
+
+@pytest.mark.skipif(not os.environ.get("DLOOP_MEASURE"),
+                    reason="a measurement (minutes), not a check: set DLOOP_MEASURE=1")
+def test_measure_confidence_head_as_scheduler(learnable, drafters):
+  """docs/drafters.md: c_k from the confidence head vs the top draft probability.
+
+  The trained tiny DSpark, 48 held-out random prompts one at a time (batch 1, so a
+  round's width is the row's own), 40 tokens, gamma 3, S_max 3. Per configuration:
+  tau, drafts verified / drafted, accepted / verified, and committed tokens per
+  unit of modeled target cost (ar: 1).
+  """
+  target = learnable[0]
+  rng = np.random.default_rng(1234)
+  prompts = [rng.integers(0, 64, size=int(rng.integers(3, 9))).tolist() for _ in range(48)]
+  settings = [("cpu", "greedy", SamplingConfig()), ("flat", "greedy", SamplingConfig()),
+              ("cpu", "T=1", SamplingConfig(temperature=1.0))]
+  for table, name, sampling in settings:
+    fixed, per_token = MEASURE_TABLES[table]
+    costs = {w: 1.0 if w == 1 else fixed + per_token * w for w in range(1, 11)}
+    for mode, gate in (("sd", 0.0), ("dloop", -1.0)):
+      for schedule, confidence, backoff in (("off", "auto", None),
+                                            ("cost", "probability", 0), ("cost", "drafter", 0),
+                                            ("cost", "probability", None),
+                                            ("cost", "drafter", None)):
+        rows = [generate(target, [p], max_new_tokens=40, mode=mode, drafter=drafters["trained"],
+                         block_size=GAMMA, max_stages=3, gate=gate, schedule=schedule,
+                         costs=costs, confidence=confidence, draft_backoff=backoff,
+                         sampling=sampling, seed=i).rows[0]
+                for i, p in enumerate(prompts)]
+        committed = sum(r.committed_in_rounds for r in rows)
+        rounds = sum(r.rounds for r in rows)
+        drafted, verified = sum(r.drafted for r in rows), sum(r.verified for r in rows)
+        accepted = sum(r.accepted for r in rows)
+        cost = sum(_modeled_cost(r, fixed=fixed, per_token=per_token) for r in rows)
+        print(f"\n{table:4s} {name:6s} {mode:5s} {schedule:4s} {confidence:11s}"
+              f" backoff={backoff!s:4s} tau {committed / rounds:.3f}  verified/drafted"
+              f" {verified / max(drafted, 1):.3f}  accepted/verified"
+              f" {accepted / max(verified, 1):.3f}  tokens/cost {committed / cost:.3f}")
 
 
 def test_objective_terms(learnable):
@@ -113,6 +187,11 @@ def test_config_errors_and_weight_layouts(learnable):
   bare = build_drafter(dict(CONFIGS["dspark"], markov_rank=0, enable_confidence_head=False),
                        target=target, rngs=nnx.Rngs(0))
   assert bare.markov_w1 is None and bare.confidence_proj is None
+  assert d.has_confidence and not bare.has_confidence
+  with pytest.raises(ConfigError, match="confidence='drafter' needs a drafter with a learned"):
+    generate(target, [[1, 2]], max_new_tokens=4, mode="sd", drafter=bare, confidence="drafter")
+  with pytest.raises(ConfigError, match="confidence must be one of"):
+    generate(target, [[1, 2]], max_new_tokens=4, mode="sd", drafter=d, confidence="head")
   # The block drafter's config is unchanged (no head keys).
   assert "markov_rank" not in build_drafter({"kind": "block"}, target=target,
                                             rngs=nnx.Rngs(0)).drafter_config()

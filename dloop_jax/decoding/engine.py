@@ -30,7 +30,8 @@ whole tree, the walk, compaction of the accepted path).
 A Python-side cache keyed by every static choice (model structure, shapes,
 mode, gamma, S_max, schedule, sampling, stop tokens) holds the compiled
 executables, so a second call with the same shapes runs without tracing or
-compiling. The gate g and the cost table are traced arrays: sweeping them does
+compiling. The gate g, the cost table, the back-off and the source of the
+scheduler's confidences (`confidence=`) are traced arrays: sweeping them does
 not recompile.
 """
 
@@ -212,7 +213,7 @@ def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache
 
 
 def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt_lengths,
-            key, gate, costs, max_skip):
+            key, gate, costs, max_skip, use_learned):
   """The whole generation as one traced program."""
   global _TRACE_COUNT
   _TRACE_COUNT += 1
@@ -332,6 +333,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
       if s.schedule == "cost":
         c_k = schedule_lib.draft_confidence(logprobs=drafted.logprobs, probs=drafted.probs,
                                             config=s.sampling)
+        if drafted.confidence is not None:  # a traced choice: no recompile when switched
+          c_k = jnp.where(use_learned, drafted.confidence.astype(jnp.float32), c_k)
         conf = jax.lax.dynamic_update_slice(conf, c_k, (0, stage * gamma))
       if probs is not None:
         probs = jax.lax.dynamic_update_slice(probs, drafted.probs.astype(jnp.float32),
@@ -448,7 +451,7 @@ def _is_int(value) -> bool:
 
 
 def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
-              schedule, draft_backoff, tree_budget) -> None:
+              schedule, draft_backoff, tree_budget, confidence="auto") -> None:
   if mode not in MODES:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
   if not _is_int(tree_budget) or tree_budget < 0:
@@ -457,6 +460,9 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
     raise ConfigError("tree_budget > 0 needs mode 'sd' or 'dloop' (and a drafter).")
   if schedule not in schedule_lib.SCHEDULES:
     raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}.")
+  if confidence not in schedule_lib.CONFIDENCES:
+    raise ConfigError(f"confidence must be one of {schedule_lib.CONFIDENCES}, got"
+                      f" {confidence!r}.")
   if draft_backoff is not None and (not _is_int(draft_backoff) or draft_backoff < 0):
     raise ConfigError(f"draft_backoff must be None or an int >= 0 (rounds), got {draft_backoff!r}.")
   if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -477,6 +483,10 @@ def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, ta
       or math.isnan(float(gate))):
     raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
   drafter.check_target(target.config)
+  if confidence == "drafter" and not drafter.has_confidence:
+    raise ConfigError(f"confidence='drafter' needs a drafter with a learned confidence (DSpark's"
+                      f" confidence head); drafter {drafter.name!r} has none: use"
+                      " confidence='probability' (or 'auto').")
   _validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
 
 
@@ -486,7 +496,7 @@ def _validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
   if not drafter.supports_trees:
     raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
                       f" {drafter.name!r} ({drafter.kind}) does not yet (use the block"
-                      " drafter, or tree_budget=0).")
+                      " or domino drafter, or tree_budget=0).")
   if mode == "dloop" and tree_budget < block_size:
     raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
                       f" stage's best path of {block_size} nodes, so tree_budget must be at least"
@@ -511,6 +521,7 @@ def _prepare(
     costs: Any = None,
     draft_backoff: int | None = None,
     tree_budget: int = 0,
+    confidence: str = "auto",
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
@@ -521,7 +532,8 @@ def _prepare(
     schedule = "off" if (_is_int(tree_budget) and tree_budget > 0) else "cost"
   _validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
             max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
-            schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget)
+            schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget,
+            confidence=confidence)
   if not isinstance(sampling, sampling_lib.SamplingConfig):
     raise ConfigError("sampling must be a SamplingConfig.")
   if capture_taps and mode != "ar":
@@ -572,7 +584,8 @@ def _prepare(
     draft_backoff = DEFAULT_DRAFT_BACKOFF if static.schedule == "cost" else 0
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
           jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
-          jnp.asarray(draft_backoff, jnp.int32))
+          jnp.asarray(draft_backoff, jnp.int32),
+          jnp.asarray(confidence != "probability" and not is_ar and drafter.has_confidence))
   if target.mesh is not None:
     # A target placed on a mesh: rows over its data axis, the rest replicated;
     # the jit follows these shardings (`models.sharding`).
@@ -609,6 +622,7 @@ def generate(
     costs: Any = None,
     draft_backoff: int | None = None,
     tree_budget: int = 0,
+    confidence: str = "auto",
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -649,6 +663,11 @@ def generate(
     tree_budget: ("sd" / "dloop") B > 0 drafts a tree of the B best prefixes
       per stage (DDTree) and verifies the whole tree in one target forward
       (`decoding.tree_round`; drafters with `supports_trees`); 0: chains.
+    confidence: (schedule="cost") where the scheduler's c_k come from:
+      "drafter", the drafter's learned confidence (`Drafter.has_confidence`:
+      DSpark's confidence head); "probability", the drafter's top draft
+      probability (`schedule.draft_confidence`); "auto" (default), the first
+      when the drafter has one. A traced value: switching does not recompile.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -657,7 +676,7 @@ def generate(
       target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
       stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
-      draft_backoff=draft_backoff, tree_budget=tree_budget)
+      draft_backoff=draft_backoff, tree_budget=tree_budget, confidence=confidence)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages

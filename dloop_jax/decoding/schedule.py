@@ -37,6 +37,15 @@ Two rules (`choose`):
     reachable from k, assuming the later drafts are as confident as draft k,
     beats stopping at k - 1. Rounding up to the compiled width afterwards is
     still causal (the width depends only on decisions about earlier depths).
+
+Where c_k comes from (`CONFIDENCES`, `generate(confidence=...)`): the
+drafter's probabilities (`draft_confidence`), or a learned confidence the
+drafter returns with its drafts (`DraftStage.confidence`, DSpark's confidence
+head). A learned c_k satisfies the sampling rule's condition when it is a
+function of the drafter's state and the drafts before k, not of draft k:
+DSpark's head reads the backbone's hidden state at k (computed from the
+context and the stage's anchor, before any draft of the stage is drawn) and
+the token before k.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ from flax import struct
 from dloop_jax.decoding import sampling as sampling_lib
 
 SCHEDULES = ("cost", "off")
+# Where the scheduler's c_k come from. "auto": the drafter's learned confidence
+# when it has one (`Drafter.has_confidence`), else its probabilities.
+CONFIDENCES = ("auto", "drafter", "probability")
 
 # Widths below one stage that get their own branch: the cost per token is
 # steepest there (on a CPU a 2-token forward costs ~1.35x a 1-token one).
@@ -73,12 +85,15 @@ def draft_confidence(*, logprobs: jax.Array, probs: jax.Array | None,
                      config: sampling_lib.SamplingConfig) -> jax.Array:
   """c_k of one stage's drafts: the drafter's estimate that draft k is accepted.
 
+  The probability-based c_k; a drafter's learned confidence
+  (`DraftStage.confidence`) replaces it when the engine is told to use it.
+
   Greedy: exp of the drafted token's log-probability (the drafted token is the
   drafter's argmax, so this is its top probability).
   Sampling: the largest probability of the processed draft distribution at k,
   not the probability of the token drawn there: the latter depends on draft k,
   and a verification decided by it would bias rejection sampling (module
-  docstring). A learned confidence head can replace either.
+  docstring).
 
   Args:
     logprobs: [B, gamma] drafter log-probabilities of the drafted tokens.

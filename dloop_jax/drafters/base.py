@@ -191,6 +191,11 @@ class Drafter(nnx.Module):
   # Whether `draft_tree_stage` is implemented (tree verification, `tree_budget`).
   supports_trees: bool = False
 
+  @property
+  def has_confidence(self) -> bool:
+    """Whether `draft_stage` returns a learned `DraftStage.confidence` (the scheduler's c_k)."""
+    return False
+
   def draft_tree_stage(self, state: DrafterState, *, block_size: int,
                        budget: int) -> tuple[DrafterState, TreeStage]:
     """The next `block_size` positions of a draft tree of `budget` nodes.

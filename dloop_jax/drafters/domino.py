@@ -45,7 +45,8 @@ from flax import struct
 
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.drafters import layers
-from dloop_jax.drafters.base import DraftStage
+from dloop_jax.decoding import tree as tree_lib
+from dloop_jax.drafters.base import DraftStage, TreeStage
 from dloop_jax.drafters.block import BlockDrafter, BlockState
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.models.transformer import Transformer, rms_norm
@@ -86,9 +87,10 @@ class DominoDrafter(BlockDrafter):
   """Shifted block backbone + GRU-over-the-prefix low-rank logit correction."""
 
   shifted = True
-  # Trees from the backbone's logits alone would leave out the GRU correction (DARTree-style
-  # trees for these heads are not built yet).
-  supports_trees = False
+  # DARTree: trees grown depth by depth from the corrected logits (`draft_tree_stage`).
+  supports_trees = True
+  # Prefixes kept per depth before the global top-B prune (DARTree's default width).
+  tree_width = 12
 
   def __init__(self, spec: DrafterSpec, *, target: Transformer, rngs: nnx.Rngs):
     super().__init__(spec, target=target, rngs=rngs)
@@ -176,3 +178,63 @@ class DominoDrafter(BlockDrafter):
     tokens = t(tokens)
     state = state.replace(anchor=tokens[:, -1])
     return state, DraftStage(tokens=tokens, logprobs=t(logprobs), probs=t(probs))
+
+  def draft_tree_stage(self, state, *, block_size, budget):
+    """DARTree: a stage's tree grown depth by depth from the corrected logits.
+
+    Every kept prefix carries its own GRU state. Depth 1 reads the anchor's
+    output (base logits, no correction); at depth d each of the W prefixes of
+    depth d - 1 (W = `tree_width`) corrects the base logits of output d - 1
+    with its own state, its K = min(W, V) best children are scored (parent
+    score + child log-probability), the W best of those W * K candidates are
+    kept and their states advanced in one batched GRU step. The drafter's
+    chain (the argmax child of the chain's node, from the anchor) is always
+    kept, in slot 0: it is the stage's best path, whose distributions the
+    gate scores and from whose end a following stage drafts. `tree.select`
+    then keeps the global top B (`budget`).
+
+    Returns:
+      The state after the chain (as after a greedy `draft_stage`) and a
+      `TreeStage` with the scored prefixes (`candidates` [B, gamma, W]).
+    """
+    state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]
+    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, V]
+    w_hh, table = self.gru_w_hh[...], state.gru_table
+    b, v = base.shape[0], base.shape[-1]
+    w = self.tree_width
+    k = min(w, v)
+    neg_inf = jnp.float32(-jnp.inf)
+    rows = jnp.arange(b)[:, None]
+
+    # Depth 1: the anchor's output, uncorrected; every slot's state is then
+    # GRU(GRU(0, e(anchor)), e(its token)).
+    lp = jax.nn.log_softmax(base[:, 0].astype(jnp.float32))  # [B, V]
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    score = jnp.pad(top_lp, ((0, 0), (0, w - k)), constant_values=neg_inf)  # [B, W]
+    token = jnp.pad(top_ids, ((0, 0), (0, w - k))).astype(jnp.int32)
+    s0 = gru_step(jnp.zeros((b, w_hh.shape[1]), table.dtype), jnp.take(table, state.anchor, axis=0),
+                  w_hh)
+    states = gru_step(jnp.broadcast_to(s0[:, None], (b, w, s0.shape[-1])),
+                      jnp.take(table, token, axis=0), w_hh)  # [B, W, G]
+    scores, tokens = [score], [token]
+    parents = [jnp.full((b, w), tree_lib.NO_PARENT, jnp.int32)]
+    for d in range(1, block_size):
+      logits = base[:, d, None] + self.correction(
+          jnp.broadcast_to(h[:, d, None], (b, w, h.shape[-1])), states)  # [B, W, V]
+      lp = jax.nn.log_softmax(logits)
+      top_lp, top_ids = jax.lax.top_k(lp, k)  # [B, W, K]
+      cand = (score[:, :, None] + top_lp).reshape(b, w * k)
+      # Candidate 0 (slot 0's argmax child) continues the chain: kept in slot 0.
+      _, pick = jax.lax.top_k(cand.at[:, 0].set(jnp.inf), w)
+      score = jnp.take_along_axis(cand, pick, axis=1)
+      parent = (pick // k).astype(jnp.int32)
+      token = jnp.take_along_axis(top_ids.reshape(b, w * k), pick, axis=1).astype(jnp.int32)
+      states = gru_step(states[rows, parent], jnp.take(table, token, axis=0), w_hh)
+      scores.append(score)
+      tokens.append(token)
+      parents.append(parent)
+    stack = lambda xs: jnp.stack(xs, axis=1)  # [B, gamma, W]
+    cands = tree_lib.Candidates(scores=stack(scores), tokens=stack(tokens), parents=stack(parents),
+                                best=jnp.broadcast_to(jnp.arange(w) == 0, (b, block_size, w)))
+    state = state.replace(anchor=tokens[-1][:, 0])
+    return state, TreeStage(candidates=cands)

@@ -23,7 +23,10 @@ Confidence head. c_k = sigmoid(w . [z_k ; W1[x_{k-1}]] + b), with z_k the
 final-norm hidden state the LM head reads: the drafter's estimate of the
 probability that draft k is accepted given the drafts before it are. It is
 trained toward 1 - 1/2 ||p_draft - p_target||_1 (that acceptance probability
-under the sampling rule) and returned as `DraftStage.confidence`.
+under the sampling rule) and returned as `DraftStage.confidence`: the
+verification scheduler's c_k by default (`generate(confidence="auto")`). It
+reads the state before draft k is drawn and the token before k, never draft k,
+as the sampling scheduler's causal admission requires (`decoding.schedule`).
 
 Weights use the names and layouts of DeepSpec's checkpoints where there is one
 (`markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r],
@@ -48,8 +51,8 @@ class DSparkDrafter(BlockDrafter):
   """Shifted block backbone + rank-r Markov head + confidence head."""
 
   shifted = True
-  # Trees from the backbone's logits alone would leave out the Markov head (DARTree-style
-  # trees for these heads are not built yet).
+  # Trees from the backbone's logits alone would leave out the Markov head (a DARTree-style
+  # tree for this head, as Domino's, is not built yet).
   supports_trees = False
 
   def __init__(self, spec: DrafterSpec, *, target: Transformer, rngs: nnx.Rngs):
@@ -68,6 +71,10 @@ class DSparkDrafter(BlockDrafter):
       self.confidence_bias = nnx.Param(jnp.zeros((1,), dtype))
     else:
       self.confidence_proj = self.confidence_bias = None
+
+  @property
+  def has_confidence(self) -> bool:
+    return self.confidence_proj is not None
 
   # ------------------------------------------------------------------ heads
   def markov_bias(self, prev: jax.Array) -> jax.Array:
