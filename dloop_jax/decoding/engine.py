@@ -495,8 +495,8 @@ def _validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
     return
   if not drafter.supports_trees:
     raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
-                      f" {drafter.name!r} ({drafter.kind}) does not yet (use the block"
-                      " or domino drafter, or tree_budget=0).")
+                      f" {drafter.name!r} ({drafter.kind}) does not yet (use the block,"
+                      " EAGLE-3 or Domino drafter, or tree_budget=0).")
   if mode == "dloop" and tree_budget < block_size:
     raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
                       f" stage's best path of {block_size} nodes, so tree_budget must be at least"
