@@ -268,6 +268,10 @@ def _loop_aware_against_base(kind: str, *, init_std: float, seed: int, base_step
   return results
 
 
+@pytest.mark.skipif(not os.environ.get("DLOOP_MEASURE"),
+                    reason="trains 1,600 steps (about two minutes on two cores); the default suite"
+                    " checks the objective itself (test_loop_aware_fine_tune_lowers_the_last_stage"
+                    "_loss): set DLOOP_MEASURE=1")
 def test_loop_aware_fine_tune_raises_dloop_acceptance_length():
   """On a predictable target, where whole stages get accepted, loop-aware fine-tuning raises
   DLoop's acceptance length above the same number of extra base-objective steps."""
