@@ -7,11 +7,13 @@ import math
 import os
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
 
 from dloop_jax.models import LoadedTarget, load_target
+from dloop_jax.models.transformer import Transformer
 
 torch.set_num_threads(2)
 
@@ -78,6 +80,25 @@ def torch_logits(model: transformers.PreTrainedModel, tokens: np.ndarray) -> np.
   """[B, T, V] float32 logits of the reference forward."""
   with torch.no_grad():
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def flax_logits(model: Transformer, tokens: np.ndarray, *, split: int | None = None) -> np.ndarray:
+  """[B, T, V] logits of our forward through a KV cache.
+
+  With `split`, the first `split` tokens are a prefill and the rest a second
+  call against the filled cache, as in decoding.
+  """
+  b, t = tokens.shape
+  cache = model.init_cache(batch_size=b, capacity=t + 8)
+  chunks = [(0, t)] if split is None else [(0, split), (split, t)]
+  out = []
+  for start, end in chunks:
+    positions = jnp.arange(start, end)[None].repeat(b, 0)
+    result = model(jnp.asarray(tokens[:, start:end]), positions=positions, cache=cache)
+    cache = result.cache
+    out.append(np.asarray(result.logits))
+  assert int(cache.lengths[0]) == t
+  return np.concatenate(out, axis=1)
 
 
 @functools.cache

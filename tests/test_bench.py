@@ -71,10 +71,13 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math",
        "--prompts-per-category", "1", "--max-new-tokens", "12", "--max-stages", "2",
-       "--drafters", "smollm2-135m-instruct-block", "--sweep", "--sweep-gates=-inf,0",
+       "--drafters", "smollm2-135m-instruct-block", "--schedules", "cost",
+       "--sweep", "--sweep-gates=-inf,0",
        "--sweep-max-stages=2", "--sweep-prompts", "1", "--tree-budgets", "0,8",
        "--out", str(out)],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      # Twelve tokens a run: compiling dominates, so compile as the test processes do.
+      env=dict(os.environ, XLA_FLAGS=os.environ.get("DLOOP_TEST_XLA_FLAGS", "")))
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads((out / "results.json").read_text())
   rows = result["rows"]
@@ -82,15 +85,14 @@ def test_small_real_run_writes_results_table_and_plots(tmp_path):
     assert all(k in row for k in REQUIRED), row
   keys = {(r["category"], r["method"]) for r in rows}
   for category in ("math", "overall"):
-    for method in ("ar", "sd", "dloop", "sd/all", "dloop/all", "sd/tree8/all", "dloop/tree8/all"):
+    for method in ("ar", "sd", "dloop", "sd/tree8/all", "dloop/tree8/all"):
       assert (category, method) in keys
   overall = {r["method"]: r for r in rows if r["category"] == "overall"}
-  assert overall["dloop/all"]["verified_fraction"] == overall["sd/all"]["verified_fraction"] == 1
   assert overall["dloop"]["verified_fraction"] <= 1
   assert result["config"]["cost_table"]["costs"]["1"] > 0
   for row in rows:
     assert row["identical_to_ar"] == 1.0 or row["lossless_vs_ar"] == 1.0, row
-  assert len(result["records"]) == 7
+  assert len(result["records"]) == 5
   tree = overall["dloop/tree8/all"]
   assert tree["tree_budget"] == 8 and tree["verified_fraction"] == 1
   # Modeled accelerator speedup: every forward one step, a drafter forward 2 / 30 of one.

@@ -20,7 +20,7 @@ def drafter(tiny):
 
 
 def test_one_compile_per_shape(tiny, drafter):
-  """Same shapes (other prompts, seed, gate) reuse the program; another max_new_tokens compiles."""
+  """Same shapes (other prompts, seed, gate, row limit, stop tokens) reuse the program."""
   kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX, draft_backoff=0)
   generate(tiny, [[5, 6, 7], [9, 1, 2, 3, 4]], max_new_tokens=MAX_NEW, gate=-0.5, **kw)
   traces = engine.trace_count()
@@ -49,12 +49,24 @@ def test_one_compile_per_shape(tiny, drafter):
   assert engine.trace_count() == traces and paused.compile_seconds == 0.0
   assert paused.tokens == steep.tokens
   assert all(0 < r.stage_histogram[0] < r.rounds for r in paused.rows)
-  # max_new_tokens is static: a new program, compiled once.
-  longer = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW + 2, gate=-0.5, **kw)
+  # max_new_tokens and the stop tokens are traced: another limit in the same cache
+  # bucket, or other stop tokens, run the same program, and both are live.
+  shorter = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW - 7, gate=-0.5, **kw)
+  stop = shorter.tokens[0][3]
+  stopped = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=MAX_NEW - 7, gate=-0.5,
+                     stop_tokens=[stop], **kw)
+  assert engine.trace_count() == traces
+  assert shorter.compile_seconds == stopped.compile_seconds == 0.0
+  assert all(len(t) == MAX_NEW - 7 for t in shorter.tokens)
+  for full, cut in zip(shorter.tokens, stopped.tokens):
+    assert cut == (full[:full.index(stop) + 1] if stop in full else full)
+  # A limit whose cache needs a larger capacity bucket: a new program, compiled once.
+  longer = generate(tiny, [[1, 2], [3, 4]], max_new_tokens=4 * MAX_NEW, gate=-0.5, **kw)
   assert engine.trace_count() == traces + 1 and longer.compile_seconds > 0
-  assert all(len(t) == MAX_NEW + 2 for t in longer.tokens)
-  again = generate(tiny, [[7], [8]], max_new_tokens=MAX_NEW + 2, gate=0.0, **kw)
+  assert all(len(t) == 4 * MAX_NEW for t in longer.tokens)
+  again = generate(tiny, [[7], [8]], max_new_tokens=4 * MAX_NEW - 3, gate=0.0, **kw)
   assert engine.trace_count() == traces + 1 and again.compile_seconds == 0.0
+  assert all(len(t) == 4 * MAX_NEW - 3 for t in again.tokens)
 
 
 def test_clear_compiled_frees_the_programs(tiny):

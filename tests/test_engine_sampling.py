@@ -2,7 +2,7 @@
 
 For a tiny target we enumerate the exact distribution of the first three
 generated tokens under the processed (temperature / top-k / top-p) target
-distribution, draw N = 20,000 rows in one batched call, and run Pearson's
+distribution, draw N = 8,000 rows in one batched call, and run Pearson's
 chi-square goodness-of-fit test, merging outcomes with expected count < 5 into
 one cell (the usual validity condition of the chi-square approximation).
 
@@ -11,7 +11,10 @@ the threshold says that a correct sampler would have to be unlucky at the
 1-in-10,000 level to fail, while the wrong rules it guards against (accepting
 every draft, resampling from p instead of the residual, sampling the bonus
 from q) shift whole probability mass between outcomes: with the drafters below
-(q far from p) they give chi-square statistics in the thousands.
+(q far from p) they give chi-square statistics in the thousands. Power at this N:
+a temperature of 0.85 instead of 1 (a far smaller shift) gives a noncentrality
+of 178 over 63 degrees of freedom, a p-value below 1e-15 in 95 % of draws;
+`test_chi_square_detects_a_modest_shift` checks it on the seeded draw.
 
 Speculative runs go through the verification scheduler (which decides from
 confidences that do not depend on the draft being verified) with the session's
@@ -31,7 +34,7 @@ import drafter_fixtures
 from dloop_jax.decoding import SamplingConfig, generate
 from reference import chi_square_pvalue, exact_distribution
 
-N = 20_000
+N = 8_000
 PROMPT = [3, 14, 15]
 
 

@@ -3,8 +3,8 @@
 (a) Tiny random Llama / Qwen2 / Qwen3 models, loaded from HF directories
     (single and sharded safetensors) and from GGUF files written the way
     llama.cpp's converter writes them: max |diff| <= 1e-4.
-(b) The real default model (SmolLM2-135M-Instruct Q4_1 GGUF) against
-    transformers' own GGUF loading: max |diff| <= 2e-3.
+The real default model's parity is in test_generate_real.py (which loads the
+model pair once for its generation tests too).
 """
 
 from __future__ import annotations
@@ -26,28 +26,6 @@ from dloop_jax.models.transformer import Transformer
 torch.set_num_threads(2)
 
 TINY_TOL = 1e-4
-REAL_TOL = 2e-3
-
-
-def _flax_logits(model: Transformer, tokens: np.ndarray, *, split: int | None = None) -> np.ndarray:
-  """[B, T, V] logits of our forward through a KV cache.
-
-  With `split`, the first `split` tokens are a prefill and the rest a second
-  call against the filled cache, as in decoding.
-  """
-  b, t = tokens.shape
-  cache = model.init_cache(batch_size=b, capacity=t + 8)
-  chunks = [(0, t)] if split is None else [(0, split), (split, t)]
-  out = []
-  for start, end in chunks:
-    positions = jnp.arange(start, end)[None].repeat(b, 0)
-    result = model(jnp.asarray(tokens[:, start:end]), positions=positions, cache=cache)
-    cache = result.cache
-    out.append(np.asarray(result.logits))
-  assert int(cache.lengths[0]) == t
-  return np.concatenate(out, axis=1)
-
-
 def _tokens(vocab: int, *, batch: int = 2, length: int = 13, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, vocab, size=(batch, length), dtype=np.int32)
 
@@ -62,8 +40,8 @@ def test_hf_dir_parity(kind, tmp_path):
   model = Transformer.from_params(config, params)
   tokens = _tokens(config.vocab_size)
   expected = model_fixtures.torch_logits(reference, tokens)
-  np.testing.assert_allclose(_flax_logits(model, tokens), expected, atol=TINY_TOL, rtol=0)
-  np.testing.assert_allclose(_flax_logits(model, tokens, split=8), expected, atol=TINY_TOL, rtol=0)
+  np.testing.assert_allclose(model_fixtures.flax_logits(model, tokens), expected, atol=TINY_TOL, rtol=0)
+  np.testing.assert_allclose(model_fixtures.flax_logits(model, tokens, split=8), expected, atol=TINY_TOL, rtol=0)
 
 
 def test_llama3_rope_scaling_is_read(tmp_path):
@@ -85,7 +63,7 @@ def test_sharded_hf_dir_parity(tmp_path):
   model = Transformer.from_params(config, params)
   tokens = _tokens(config.vocab_size, seed=1)
   np.testing.assert_allclose(
-      _flax_logits(model, tokens), model_fixtures.torch_logits(reference, tokens),
+      model_fixtures.flax_logits(model, tokens), model_fixtures.torch_logits(reference, tokens),
       atol=TINY_TOL, rtol=0)
 
 
@@ -101,7 +79,7 @@ def test_hf_dir_bf16_checkpoint(tmp_path):
   reference = transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=torch.float32, attn_implementation="eager").eval()
   expected = model_fixtures.torch_logits(reference, tokens)
-  np.testing.assert_allclose(_flax_logits(model, tokens), expected, atol=TINY_TOL, rtol=0)
+  np.testing.assert_allclose(model_fixtures.flax_logits(model, tokens), expected, atol=TINY_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen2_untied", "qwen3_tied"])
@@ -114,7 +92,7 @@ def test_gguf_parity(kind, tmp_path):
   model = Transformer.from_params(config, params)
   tokens = _tokens(config.vocab_size, seed=3)
   np.testing.assert_allclose(
-      _flax_logits(model, tokens, split=5), model_fixtures.torch_logits(reference, tokens),
+      model_fixtures.flax_logits(model, tokens, split=5), model_fixtures.torch_logits(reference, tokens),
       atol=TINY_TOL, rtol=0)
 
 
@@ -143,50 +121,5 @@ def test_load_target_bf16(tmp_path):
     target = load_target(source, dtype=jnp.bfloat16)
     assert target.model.layers[0].wqkv[...].dtype == jnp.bfloat16
     # bf16 weights and activations: only a loose match is expected.
-    assert np.max(np.abs(_flax_logits(target.model, tokens) - expected)) < 0.25
+    assert np.max(np.abs(model_fixtures.flax_logits(target.model, tokens) - expected)) < 0.25
   assert target.tokenizer is not None and target.name == "m"
-
-
-# --------------------------------------------------------------- real model
-REAL_PROMPTS = [
-    [{"role": "user", "content": "Explain in two short paragraphs why the sky looks blue during"
-                                 " the day and red at sunset, with one concrete example."}],
-    [{"role": "system", "content": "You are a careful Python programmer."},
-     {"role": "user", "content": "Write a function `primes(n: int) -> list[int]` that returns"
-                                 " all primes below n using a sieve, and explain its cost."}],
-]
-
-
-@pytest.fixture(scope="module")
-def real_pair():
-  """(our LoadedTarget, transformers' model from the same GGUF), loaded once per process."""
-  return model_fixtures.real_pair()
-
-
-@pytest.mark.real_model
-def test_real_gguf_parity(real_pair):
-  target, reference = real_pair
-  prompts = [target.tokenizer.apply_chat_template(m) for m in REAL_PROMPTS]
-  length = min(len(p) for p in prompts)
-  assert length >= 40
-  tokens = np.asarray([p[:length] for p in prompts], np.int32)
-  expected = model_fixtures.torch_logits(reference, tokens)
-  got = _flax_logits(target.model, tokens, split=length - 9)
-  diff = float(np.max(np.abs(got - expected)))
-  print(f"real GGUF max |logit diff| = {diff:.2e} over {tokens.shape}")
-  assert diff <= REAL_TOL
-  # Same greedy next token everywhere except at near-ties.
-  agree = (got.argmax(-1) == expected.argmax(-1)).mean()
-  assert agree > 0.97
-
-
-@pytest.mark.real_model
-def test_real_gguf_config(real_pair):
-  target, reference = real_pair
-  c, hf = target.config, reference.config
-  assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (
-      hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
-      hf.intermediate_size)
-  assert c.vocab_size == hf.vocab_size == 49152
-  assert c.tie_embeddings and c.rope_theta == 100000.0
-  assert target.tokenizer.eos_token_id in c.eos_token_ids

@@ -84,8 +84,7 @@ class _Static:
   max_stages: int
   schedule: str
   sampling: sampling_lib.SamplingConfig
-  max_new_tokens: int
-  stop_tokens: tuple[int, ...]
+  stop_slots: int  # length of the traced stop-token array (padded with -1)
   capture_taps: tuple[int, ...]
   batch_size: int
   prompt_width: int
@@ -213,7 +212,7 @@ def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache
 
 
 def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt_lengths,
-            key, gate, costs, max_skip, use_learned):
+            max_new_tokens, stop, key, gate, costs, max_skip, use_learned):
   """The whole generation as one traced program."""
   global _TRACE_COUNT
   _TRACE_COUNT += 1
@@ -223,7 +222,6 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                              if s.drafter_graph is not None else None)
   b, tp, cap = s.batch_size, s.prompt_width, s.capacity
   taps = tuple(drafter.taps) if drafter is not None else s.capture_taps
-  stop = jnp.asarray(s.stop_tokens, jnp.int32)
   gamma = s.block_size
   w_max = s.verify_width
   widths = s.widths
@@ -238,8 +236,11 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   cache = pre.cache.with_lengths(prompt_lengths)
   counts, done = finish_lib.commit_counts(
       new_tokens=first[:, None], num_valid=jnp.ones((b,), jnp.int32),
-      num_new=jnp.zeros((b,), jnp.int32), max_new_tokens=s.max_new_tokens, stop=stop)
-  out = jnp.zeros((b, s.max_new_tokens + w_max), jnp.int32).at[:, 0].set(first)
+      num_new=jnp.zeros((b,), jnp.int32), max_new_tokens=max_new_tokens, stop=stop)
+  # Room for every token that fits the cache, plus the widest round's overshoot
+  # (cut by the row limit, a traced value: programs are shared by all the
+  # limits whose cache falls in one capacity bucket).
+  out = jnp.zeros((b, cap - tp + w_max), jnp.int32).at[:, 0].set(first)
 
   n_taps = len(taps)
   if s.capture_taps:
@@ -273,7 +274,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                round=jnp.zeros((), jnp.int32))
 
   def cond(lp: _Loop):
-    return jnp.any(~lp.done) & (lp.round < s.max_new_tokens)
+    return jnp.any(~lp.done) & (lp.round < max_new_tokens)
 
   def target_step(lp: _Loop, taps: tuple[int, ...]):
     """The target reads the pending token (cache written in place) and picks the next one.
@@ -285,7 +286,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
     counts, finished = finish_lib.commit_counts(
         new_tokens=token[:, None], num_valid=(~lp.done).astype(jnp.int32), num_new=lp.num_new,
-        max_new_tokens=s.max_new_tokens, stop=stop)
+        max_new_tokens=max_new_tokens, stop=stop)
     return o, token, counts, finished
 
   def ar_round(lp: _Loop) -> _Loop:
@@ -367,7 +368,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     return finish_lib.finish_round(
         lp, v=v, drafter=drafter, drafter_state=dstate, deferred=deferred, caught_up=caught_up,
         num_stages=num_stages, num_drafted=num_drafts, num_verified=choice.num_verified,
-        block_size=gamma, max_stages=s.max_stages, max_new_tokens=s.max_new_tokens, stop=stop,
+        block_size=gamma, max_stages=s.max_stages, max_new_tokens=max_new_tokens, stop=stop,
         max_skip=max_skip)
 
   def paused_step(lp: _Loop) -> _Loop:
@@ -405,7 +406,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     return tree_round.run_round(
         lp, target=target, drafter=drafter, mode=s.mode, block_size=gamma,
         max_stages=s.max_stages, budget=s.tree_budget, sampling=s.sampling,
-        max_new_tokens=s.max_new_tokens, key=key, gate=gate, stop=stop, max_skip=max_skip,
+        max_new_tokens=max_new_tokens, key=key, gate=gate, stop=stop, max_skip=max_skip,
         schedule=s.schedule, widths=widths, costs=costs)
 
   spec_round = tree_spec_round if s.tree_budget else speculative_round
@@ -416,7 +417,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     return jax.lax.while_loop(all_paused, paused_step, spec_round(lp))
 
   loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else round_then_pauses, loop)
-  return loop.out[:, :s.max_new_tokens], loop.num_new, loop.stats, loop.features
+  return loop.out, loop.num_new, loop.stats, loop.features
 
 
 def clear_compiled() -> None:
@@ -431,6 +432,11 @@ def clear_compiled() -> None:
   """
   _COMPILED.clear()
   jax.clear_caches()
+
+
+def _stop_slots(n: int) -> int:
+  """Length of the stop-token array: 4, 8, 16, ... (a few lengths, shared programs)."""
+  return max(4, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def _bucket(n: int, *, minimum: int = 16) -> int:
@@ -553,6 +559,7 @@ def _prepare(
         f" window of {config.max_position_embeddings} tokens of {config.name or 'the target'};"
         " shorten the prompt or ask for fewer new tokens.")
 
+  stops = sorted(set(int(t) for t in stop_tokens))
   is_ar = mode == "ar"
   s_max = 1 if is_ar else int(max_stages)
   gamma = 0 if is_ar else int(block_size)
@@ -566,8 +573,8 @@ def _prepare(
                                    else (None, None))
   static = _Static(
       target_graph=target_graph, drafter_graph=drafter_graph, mode=mode, block_size=gamma,
-      max_stages=s_max, schedule=schedule if not is_ar else "off", sampling=sampling, max_new_tokens=int(max_new_tokens),
-      stop_tokens=tuple(sorted(set(int(t) for t in stop_tokens))),
+      max_stages=s_max, schedule=schedule if not is_ar else "off", sampling=sampling,
+      stop_slots=_stop_slots(len(stops)),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
       prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0)
 
@@ -575,6 +582,8 @@ def _prepare(
   for i, p in enumerate(prompts):
     padded[i, :len(p)] = p
   lengths = np.asarray([len(p) for p in prompts], np.int32)
+  stop_array = np.full((static.stop_slots,), -1, np.int32)  # -1 matches no token
+  stop_array[:len(stops)] = stops
   key = jax.random.key(seed) if isinstance(seed, int) else seed
   if static.schedule == "cost":
     cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths)
@@ -582,7 +591,8 @@ def _prepare(
     cost = np.ones((len(static.widths),), np.float32)  # unused
   if draft_backoff is None:
     draft_backoff = DEFAULT_DRAFT_BACKOFF if static.schedule == "cost" else 0
-  args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths), key,
+  args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths),
+          jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_array), key,
           jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
           jnp.asarray(draft_backoff, jnp.int32),
           jnp.asarray(confidence != "probability" and not is_ar and drafter.has_confidence))
