@@ -48,8 +48,12 @@ def drafters(tiny):
   return _drafters(tiny)
 
 
-@pytest.mark.parametrize("gamma,max_stages", [(1, 1), (1, 3), (3, 2), (4, 3), (3, 1), (4, 2)])
-@pytest.mark.parametrize("batch", [1, 3])
+# Every shape with a batch of rows of different lengths, and three of them with one row.
+SHAPES = [(1, 1), (1, 3), (3, 2), (4, 3), (3, 1), (4, 2)]
+
+
+@pytest.mark.parametrize("gamma,max_stages,batch",
+                         [(g, s, 3) for g, s in SHAPES] + [(1, 1, 1), (3, 2, 1), (4, 3, 1)])
 def test_greedy_lossless(tiny, drafters, gamma, max_stages, batch):
   rng = np.random.default_rng(gamma * 100 + max_stages * 10 + batch)
   # A length that is not a multiple of the block so the limit falls inside one.
