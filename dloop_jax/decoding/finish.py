@@ -27,7 +27,7 @@ from dloop_jax.models import kv_cache as kv_lib
 
 
 def commit_counts(*, new_tokens: jax.Array, num_valid: jax.Array, num_new: jax.Array,
-                  max_new_tokens: int, stop: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  max_new_tokens: jax.Array, stop: jax.Array) -> tuple[jax.Array, jax.Array]:
   """How many of `new_tokens` each row commits, and whether it finishes.
 
   A stop token is committed and ends the row; so does reaching max_new_tokens
@@ -37,6 +37,8 @@ def commit_counts(*, new_tokens: jax.Array, num_valid: jax.Array, num_new: jax.A
     new_tokens: [B, W] candidate tokens in order.
     num_valid: [B] how many of them are valid.
     num_new: [B] tokens the row generated so far.
+    max_new_tokens: the row limit (a traced scalar).
+    stop: [K] stop token ids, padded with -1 (matches no token).
 
   Returns:
     counts [B], finished [B].
@@ -44,10 +46,7 @@ def commit_counts(*, new_tokens: jax.Array, num_valid: jax.Array, num_new: jax.A
   w = new_tokens.shape[1]
   t = jnp.arange(w)[None, :]
   valid = t < num_valid[:, None]
-  if stop.size:
-    hit = valid & jnp.isin(new_tokens, stop)
-  else:
-    hit = jnp.zeros_like(valid)
+  hit = valid & jnp.isin(new_tokens, stop)
   first_stop = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), w)
   counts = jnp.minimum(num_valid, first_stop + 1)
   counts = jnp.minimum(counts, max_new_tokens - num_new)
@@ -81,7 +80,7 @@ class Verified:
 def finish_round(lp, *, v: Verified, drafter, drafter_state: Any,
                  deferred: deferred_lib.Deferred, caught_up: jax.Array, num_stages: jax.Array,
                  num_drafted: jax.Array, num_verified: jax.Array, block_size: int,
-                 max_stages: int, max_new_tokens: int, stop: jax.Array, max_skip: jax.Array):
+                 max_stages: int, max_new_tokens: jax.Array, stop: jax.Array, max_skip: jax.Array):
   """Commits a verified round on the engine's loop state `lp` (see `engine._Loop`).
 
   Args:
@@ -96,7 +95,7 @@ def finish_round(lp, *, v: Verified, drafter, drafter_state: Any,
     block_size: gamma.
     max_stages: S_max.
     max_new_tokens: the row limit.
-    stop: [n_stop] stop token ids.
+    stop: [n_stop] stop token ids, padded with -1.
     max_skip: the longest drafting pause (`draft_policy`).
 
   Returns:

@@ -186,7 +186,7 @@ def node_confidence(tree: tree_lib.Tree) -> jax.Array:
 
 
 def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, max_stages: int,
-              budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
+              budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: jax.Array,
               key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array,
               schedule: str, widths: tuple[int, ...], costs: jax.Array):
   """One tree round on the engine's loop state `lp` (see `engine._Loop`).
