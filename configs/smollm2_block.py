@@ -57,7 +57,7 @@ def get_config(recipe: str = "") -> ConfigDict:
       # (scripts/tie_block_mask.py), see docs/drafters_smollm2.md.
       c.drafter = ConfigDict(dict(kind="block", block_size=4, num_layers=2,
                                   draft_vocab_size=0, mask_token_id=16))
-      loop_aware_fine_tune(c, num_steps=300, learning_rate=3e-4, warmup_steps=5)
+      loop_aware_fine_tune(c, num_steps=150, learning_rate=3e-4, warmup_steps=5)
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu', 'cpu_loop' or"
                      " 'cpu_dflash'.")

@@ -39,9 +39,9 @@ def main(argv=None) -> int:
                       " drafters.")
   config = dict(source.drafter_config(), draft_vocab_size=0, mask_token_id=args.mask_token_id)
   drafter = drafter_io.build_for_loading(config, target=target.model)
-  kept = {k: v for k, v in nnx.to_flat_state(nnx.state(source, nnx.Param))
-          if k[0] != "mask_embed"}
-  nnx.update(drafter, nnx.State.from_flat_path(kept))
+  kept = [(k, v) for k, v in nnx.to_flat_state(nnx.state(source, nnx.Param))
+          if k[0] != "mask_embed"]
+  nnx.update(drafter, nnx.from_flat_state(kept))
   drafter_io.export_drafter(drafter, args.out, target_name=target.name,
                             extra={"converted_from": args.drafter})
   print(f"Wrote {args.out}: {args.drafter} with mask_token_id={args.mask_token_id} and the"
