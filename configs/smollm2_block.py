@@ -30,7 +30,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.checkpoint.keep = 3
   if recipe == "loop":
     loop_aware_fine_tune(c, num_steps=5_000, learning_rate=1e-4, warmup_steps=100)
-  elif recipe in ("cpu", "cpu_loop"):
+  elif recipe in ("cpu", "cpu_loop", "cpu_dflash"):
     # The shipped drafter: sized for a CPU verifier (gamma = 4: verification
     # widths 5 / 9 / 13), 2 layers, a reduced 8,192-token head; a short
     # schedule (about ten epochs of 1,000 regenerated ShareGPT answers; the
@@ -49,6 +49,16 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.checkpoint.keep = 2
     if recipe == "cpu_loop":
       loop_aware_fine_tune(c, num_steps=150, learning_rate=3e-4, warmup_steps=5)
+    elif recipe == "cpu_dflash":
+      # The shipped drafter in DFlash's form: the target's whole head and the
+      # mask input = the embedding of <empty_output> (id 16), a reserved token
+      # chat text never holds (its row is the untrained one ids 5 and 7..16
+      # share). Loop-aware fine-tune of the converted cpu_loop drafter
+      # (scripts/tie_block_mask.py), see docs/drafters_smollm2.md.
+      c.drafter = ConfigDict(dict(kind="block", block_size=4, num_layers=2,
+                                  draft_vocab_size=0, mask_token_id=16))
+      loop_aware_fine_tune(c, num_steps=150, learning_rate=3e-4, warmup_steps=5)
   elif recipe:
-    raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu' or 'cpu_loop'.")
+    raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu', 'cpu_loop' or"
+                     " 'cpu_dflash'.")
   return c

@@ -167,6 +167,21 @@ def test_config_round_trip_and_frozen_weights(tiny):
   assert frozen == ({"embed"} if tiny.lm_head is None else {"embed", "lm_head"})
   params = {str(p[0]) for p, _ in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
   assert not params & frozen and "mask_embed" in params
+  assert "mask_token_id" not in config  # configs of learned-mask drafters are as before
+  # DFlash's mask: the frozen embedding of a token, no mask parameter.
+  tied = build_drafter({"kind": "block", "mask_token_id": 5}, target=tiny, rngs=nnx.Rngs(0))
+  config = json.loads(json.dumps(tied.drafter_config()))
+  assert config["mask_token_id"] == 5
+  assert build_drafter(config, target=tiny, rngs=nnx.Rngs(1)).spec == tied.spec
+  assert "mask_embed" not in {str(p[0]) for p, _ in nnx.to_flat_state(nnx.state(tied, nnx.Param))}
+  x = np.asarray(tied.block_inputs(jnp.array([7, 9]), 3))  # [2, 1 + 3, D]
+  embed = np.asarray(tiny.embed[...])
+  np.testing.assert_array_equal(x[:, 0], embed[[7, 9]])
+  np.testing.assert_array_equal(x[:, 1:], np.broadcast_to(embed[5], (2, 3, embed.shape[1])))
+  for bad, match in (({"kind": "block", "mask_token_id": 10_000}, "mask_token_id must be"),
+                     ({"kind": "eagle3", "mask_token_id": 5}, "block family")):
+    with pytest.raises(ConfigError, match=match):
+      build_drafter(bad, target=tiny, rngs=nnx.Rngs(0))
   big = default_drafter_config("block", tiny_target(seed=0, num_layers=30).config)
   assert big["num_layers"] == 3 and big["block_size"] == 8
   with pytest.raises(ConfigError, match="exceeds"):

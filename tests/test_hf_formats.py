@@ -469,7 +469,9 @@ def test_dflash_checkpoint_matches_reference_forward(target, tmp_path):
   path, w = dflash_checkpoint(tmp_path / "dflash", block_size=5, mask_token_id=63)
   drafter = drafter_io.load_drafter(path, target=target)
   assert drafter.spec.kind == "block" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
-  np.testing.assert_array_equal(np.asarray(drafter.mask_embed[...]),
+  # DFlash's mask: the token's frozen embedding, not a parameter.
+  assert drafter.spec.mask_token_id == 63 and drafter.mask_embed is None
+  np.testing.assert_array_equal(np.asarray(drafter.mask_input()),
                                 np.asarray(target.embed[...][63]))
   features = _features(3, 6, 3)
   next_tokens = np.random.default_rng(2).integers(0, V, 6)
@@ -519,6 +521,7 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
   assert config["dflash_config"]["target_layer_ids"] == [0, 1, 3]
   loaded = _written_back_exactly(source, path, target)
   _assert_same_weights(drafter, loaded)
+  assert loaded.spec == drafter.spec
   features = _features(4, 6, 3)
   next_tokens = np.arange(6) + 7
   a, b = (_block_ours(d, features, next_tokens, 4) for d in (drafter, loaded))
@@ -529,6 +532,11 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
   learned = build_drafter({"kind": "block", "num_layers": 1}, target=target, rngs=nnx.Rngs(5))
   with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
     drafter_io.export_drafter(learned, tmp_path / "learned", format="hf")
+  # A learned vector that is a row of the embedding is that row's token.
+  learned.mask_embed.value = target.embed[...][21]
+  path = drafter_io.export_drafter(learned, tmp_path / "row", format="hf")
+  with open(os.path.join(path, "config.json")) as f:
+    assert json.load(f)["dflash_config"]["mask_token_id"] == 21
   reduced = build_drafter({"kind": "block", "num_layers": 1, "draft_vocab_size": 32},
                           target=target, rngs=nnx.Rngs(0))
   with pytest.raises(CheckpointFormatError, match="reduced vocabulary"):
@@ -769,8 +777,9 @@ def test_head_drafters_round_trip_through_their_layouts(target, tmp_path, kind):
   np.testing.assert_array_equal(a[0], b[0])
   assert a[1] == b[1]
   # A freshly built one learns its mask vector: the layouts store a mask token id.
-  fresh = build_drafter(dict(drafter_io.drafter_config_of(drafter)), target=target,
-                        rngs=nnx.Rngs(0))
+  config = dict(drafter_io.drafter_config_of(drafter))
+  assert config.pop("mask_token_id") == drafter.spec.mask_token_id
+  fresh = build_drafter(config, target=target, rngs=nnx.Rngs(0))
   with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
     drafter_io.export_drafter(fresh, tmp_path / "fresh", format="hf")
 

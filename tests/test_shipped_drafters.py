@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from flax import nnx
 
 from dloop_jax.decoding import generate, lossless
 from dloop_jax.drafters import io as drafter_io
@@ -34,8 +36,12 @@ def test_shipped_for_the_default_target_best_first(real):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_drafter_is_lossless_on_the_real_model(real, name):
-  """sd and dloop (two gates) with the trained drafter reproduce greedy ar, and accept drafts."""
+def test_shipped_drafter_is_lossless_on_the_real_model(real, name, tmp_path):
+  """sd and dloop (two gates) with the trained drafter reproduce greedy ar, and accept drafts.
+
+  The block drafter also goes through the public DFlash layout and back: the same weights and
+  the same run (EAGLE-3's round trip: tests/test_hf_formats.py).
+  """
   drafter = drafter_io.load_drafter(name, target=real.model)
   tok = real.tokenizer
   prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -55,6 +61,22 @@ def test_shipped_drafter_is_lossless_on_the_real_model(real, name):
       hist = out.total.stage_histogram
       assert hist[-1] == out.total.rounds - hist[0] > 0 and not any(hist[1:-1]), hist
   assert accepted > 0, "a trained drafter must get some drafts accepted"
+  if drafter.spec.kind == "block":
+    path = drafter_io.export_drafter(drafter, tmp_path / "dflash", format="hf",
+                                     target_name=real.name)
+    with open(os.path.join(path, "config.json")) as f:
+      assert json.load(f)["architectures"] == ["DFlashDraftModel"]
+    loaded = drafter_io.load_drafter(path, target=real.model)
+    assert loaded.spec == drafter.spec
+    want, got = ({k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(d, nnx.Param))}
+                 for d in (drafter, loaded))
+    assert sorted(want) == sorted(got)
+    for k in want:
+      np.testing.assert_array_equal(want[k], got[k], err_msg=str(k))
+    again = generate(real.model, prompts, max_new_tokens=48, mode="dloop", drafter=loaded,
+                     gate=float("-inf"), stop_tokens=stop)
+    assert again.tokens == out.tokens
+    assert (again.total.accepted, again.total.drafted) == (out.total.accepted, out.total.drafted)
 
 
 def test_infer_defaults_to_dloop_with_the_best_shipped_drafter():

@@ -13,7 +13,7 @@ Query block. After committing x_0 .. x_n (x_n = the pending token, which the
 target has not read, so it has no context vector), a stage feeds
 
     position   n        n+1    ..  n+gamma
-    input      x_n      [M]    ..  [M]          ([M]: a learned mask embedding)
+    input      x_n      [M]    ..  [M]          ([M]: the mask input, below)
     output     -        d_1    ..  d_gamma      (final norm + the target's LM head)
 
 through N decoder layers. The block attends to itself bidirectionally and to the
@@ -43,6 +43,9 @@ then overwrites the stand-ins of accepted positions with target context
 
 The token embedding and the LM head are the target's (frozen). With a
 `draft_vocab_size` the head is restricted to the draft vocabulary's columns.
+The mask input [M] is a learned vector `mask_embed`, or, with a
+`mask_token_id` (DFlash's convention), the target's embedding of that token:
+then the drafter has no mask parameter and writes to the DFlash layout as is.
 """
 
 from __future__ import annotations
@@ -123,7 +126,9 @@ class BlockDrafter(Drafter):
     n_taps = len(spec.taps)
     self.fc = nnx.Param(layers.init_weight(rngs, (n_taps * d, d), fan_in=n_taps * d, dtype=dtype))
     self.ctx_norm = nnx.Param(jnp.ones((d,), dtype))
-    self.mask_embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d,), dtype))
+    # A learned mask vector, or (mask_token_id) a row of the frozen embedding.
+    self.mask_embed = (None if spec.mask_token_id is not None else
+                       nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (d,), dtype)))
     self.attn_norm = nnx.Param(jnp.ones((nl, d), dtype))
     self.wqkv = nnx.Param(layers.init_weight(
         rngs, (nl, d, spec.q_size + 2 * spec.kv_size), fan_in=d, dtype=dtype))
@@ -215,10 +220,17 @@ class BlockDrafter(Drafter):
     """Target ids -> draft ids (-1 outside the draft vocabulary)."""
     return target_ids if self.t2d is None else self.t2d[...][target_ids]
 
+  def mask_input(self) -> jax.Array:
+    """The mask input [D]: `mask_embed`, or the embedding of `spec.mask_token_id`."""
+    if self.mask_embed is not None:
+      return self.mask_embed[...]
+    return self.embed[...][self.spec.mask_token_id].astype(self.fc[...].dtype)
+
   def block_inputs(self, anchor: jax.Array, block_size: int) -> jax.Array:
     """Anchor tokens [...] -> block inputs [..., 1 + gamma, D]: [embed(anchor), M x gamma]."""
-    emb = jnp.take(self.embed[...], anchor, axis=0).astype(self.mask_embed[...].dtype)
-    mask = jnp.broadcast_to(self.mask_embed[...], anchor.shape + (block_size, emb.shape[-1]))
+    m = self.mask_input()
+    emb = jnp.take(self.embed[...], anchor, axis=0).astype(m.dtype)
+    mask = jnp.broadcast_to(m, anchor.shape + (block_size, emb.shape[-1]))
     return jnp.concatenate([emb[..., None, :], mask], axis=-2)
 
   def stage_inputs(self, anchor: jax.Array, block_size: int) -> jax.Array:

@@ -11,6 +11,9 @@ A drafter config is a flat dict (or ConfigDict):
     draft_vocab_size   reduced draft vocabulary (0 = the target's); EAGLE-3 by default
                        on large vocabularies
     qk_norm            per-head RMSNorm of q and k (default: on for block, dspark, domino)
+    mask_token_id      block, dspark, domino: the mask input is the target's (frozen)
+                       embedding of this token, as in DFlash checkpoints (default None:
+                       a learned mask vector)
     markov_rank        dspark: rank of the Markov head (0 = none; default 256, at most
                        the hidden size)
     enable_confidence_head
@@ -50,14 +53,14 @@ from dloop_jax.drafters.block import BlockDrafter
 from dloop_jax.drafters.eagle3 import Eagle3Drafter
 from dloop_jax.drafters.domino import DominoDrafter
 from dloop_jax.drafters.dspark import DSparkDrafter
-from dloop_jax.drafters.spec import HEAD_KEYS, KINDS, DrafterSpec
+from dloop_jax.drafters.spec import BLOCK_KINDS, HEAD_KEYS, KINDS, DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import TransformerConfig, default_taps
 
 # EAGLE-3 reduces vocabularies above this size to it (Llama-3: 128k -> 32k).
 DEFAULT_DRAFT_VOCAB = 8192
 _KEYS = ("kind", "block_size", "taps", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-         "intermediate_size", "draft_vocab_size", "qk_norm") + tuple(
+         "intermediate_size", "draft_vocab_size", "qk_norm", "mask_token_id") + tuple(
              k for keys in HEAD_KEYS.values() for k in keys)
 # DSpark ships block 7 and r = 256 (DeepSpec); Domino r = 256 (its paper).
 HEAD_RANK = 256
@@ -135,6 +138,16 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
   if kind == "eagle3" and merged["num_layers"] != 1:
     raise ConfigError(f"An EAGLE-3 drafter has one decoder layer; got num_layers="
                       f"{merged['num_layers']}.")
+  mask_id = merged.get("mask_token_id")
+  if mask_id is not None:
+    if kind not in BLOCK_KINDS:
+      raise ConfigError(f"mask_token_id applies to the block family {BLOCK_KINDS}, not to"
+                        f" kind {kind!r}; leave it out.")
+    if (not isinstance(mask_id, (int, np.integer)) or isinstance(mask_id, bool)
+        or not 0 <= mask_id < target_config.vocab_size):
+      raise ConfigError(f"mask_token_id must be a token id in [0, {target_config.vocab_size})"
+                        f" (or None: a learned mask vector), got {mask_id!r}.")
+    mask_id = int(mask_id)
   heads = {}
   if kind in HEAD_KEYS:
     if vd:
@@ -156,7 +169,7 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
       num_layers=int(merged["num_layers"]), num_heads=int(merged["num_heads"]),
       num_kv_heads=int(merged["num_kv_heads"]), head_dim=int(merged["head_dim"]),
       intermediate_size=int(merged["intermediate_size"]), draft_vocab_size=int(vd),
-      qk_norm=bool(merged["qk_norm"]), **heads)
+      qk_norm=bool(merged["qk_norm"]), mask_token_id=mask_id, **heads)
 
 
 def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,

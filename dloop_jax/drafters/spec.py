@@ -13,6 +13,8 @@ HEAD_KEYS = {
     "dspark": ("markov_rank", "enable_confidence_head"),
     "domino": ("gru_hidden_size", "correction_rank"),
 }
+# Block-family keys (the drafters built on `BlockDrafter`).
+BLOCK_KINDS = ("block", "dspark", "domino")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,9 @@ class DrafterSpec:
     intermediate_size: MLP width.
     draft_vocab_size: reduced draft vocabulary size Vd (0 = the target's).
     qk_norm: per-head RMSNorm on queries and keys (DFlash does this).
+    mask_token_id: block family: the mask input is the target's embedding of
+      this token (frozen, as in DFlash / DSpark / Domino checkpoints); None =
+      a learned mask vector `mask_embed`.
     markov_rank: DSpark: rank r of the Markov head (0 = no Markov head).
     enable_confidence_head: DSpark: learn a per-draft acceptance estimate.
     gru_hidden_size: Domino: width G of the prefix GRU.
@@ -46,6 +51,7 @@ class DrafterSpec:
   intermediate_size: int
   draft_vocab_size: int = 0
   qk_norm: bool = False
+  mask_token_id: int | None = None
   markov_rank: int = 0
   enable_confidence_head: bool = False
   gru_hidden_size: int = 0
@@ -66,4 +72,6 @@ class DrafterSpec:
       if kind != self.kind:
         for key in keys:
           del d[key]
+    if self.mask_token_id is None:
+      del d["mask_token_id"]  # learned mask: the configs (and exports) of before the key
     return d

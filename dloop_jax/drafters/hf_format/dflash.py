@@ -6,9 +6,11 @@
 
 A tap is the output of a 0-based decoder layer (default
 `round(1 + i (L - 4) / (n - 1))`). DFlash's block is [anchor, mask x (B - 1)]
-with the mask token embedded by the target's embedding: our `mask_embed` takes
-that row, and our stage size gamma is B - 1 (each output predicts the token at
-its own position in both).
+with the mask token embedded by the target's embedding: our drafters read it
+the same way (`mask_token_id` in their config, no mask parameter), and our stage
+size gamma is B - 1 (each output predicts the token at its own position in
+both). A drafter with a learned mask vector is written only when that vector is
+a row of the target's embedding (the id of that row is written).
 """
 
 from __future__ import annotations
@@ -117,12 +119,11 @@ def read_backbone(hf, tensors, target, *, source: str, what: str, min_block: int
   params = {k: np.stack([w[k] for w in per_layer]) for k in per_layer[0]}
   params.update(fc=t.take("fc.weight", (d, len(taps) * d)).T,
                 ctx_norm=t.take("hidden_norm.weight", (d,)),
-                final_norm=t.take("norm.weight", (d,)),
-                # The mask token's row of the target's embedding: exactly what DFlash feeds.
-                mask_embed=np.asarray(target.embed[...][int(mask_id)]))
+                final_norm=t.take("norm.weight", (d,)))
+  # The mask input is the mask token's row of the target's embedding, as DFlash feeds it.
   config = dict(taps=taps, num_layers=nl, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                 head_dim=c.head_dim, intermediate_size=c.intermediate_size, draft_vocab_size=0,
-                qk_norm=True)
+                qk_norm=True, mask_token_id=int(mask_id))
   return config, params, t
 
 
@@ -146,13 +147,18 @@ def backbone_layout(drafter, dtype, *, what: str
   if not s.qk_norm:
     raise CheckpointFormatError(f"This drafter has no q/k norms; {what} layers always apply them"
                                 " (train it with qk_norm=True).")
-  mask = np.asarray(drafter.mask_embed[...])
-  embed = np.asarray(drafter.embed[...]).astype(mask.dtype)
-  rows = np.flatnonzero((embed == mask[None, :]).all(axis=1))
-  if not rows.size:
-    raise CheckpointFormatError(
-        "This drafter's mask embedding is a learned vector, not a row of the target's"
-        f" embedding; the {what} layout stores only a mask_token_id whose embedding is fed.")
+  mask_id = s.mask_token_id
+  if mask_id is None:
+    # A learned mask vector: expressible only when it is a row of the embedding.
+    mask = np.asarray(drafter.mask_embed[...])
+    embed = np.asarray(drafter.embed[...]).astype(mask.dtype)
+    rows = np.flatnonzero((embed == mask[None, :]).all(axis=1))
+    if not rows.size:
+      raise CheckpointFormatError(
+          "This drafter's mask embedding is a learned vector, not a row of the target's"
+          f" embedding; the {what} layout stores only a mask_token_id whose embedding is fed"
+          " (train the drafter with a mask_token_id).")
+    mask_id = int(rows[0])
   w = {k: common.to_np(getattr(drafter, k)[...], dtype)
        for k in ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm", "q_norm",
                  "k_norm", "fc", "ctx_norm", "final_norm")}
@@ -167,7 +173,7 @@ def backbone_layout(drafter, dtype, *, what: str
                     p + "self_attn.k_norm.weight": w["k_norm"][i]})
   config = common.base_config(tc, s, num_layers=s.num_layers)
   config.update(model_type="qwen3", num_target_layers=tc.num_layers)
-  return config, tensors, int(rows[0])
+  return config, tensors, int(mask_id)
 
 
 def layout(drafter, dtype) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
