@@ -5,7 +5,9 @@ itself generates, and on the target's hidden states at the tapped layers. For
 each prompt (ShareGPT first user messages, or random token ids for tiny
 targets) the builder runs our batched `generate()` in mode "ar" with
 `capture_taps`, which returns the tapped hidden states of every position the
-target read while generating: no second forward pass. (Measured on a 2-core
+target read while generating: no second forward pass. With `grow_cache` the
+KV cache grows with the longest row, so a step attends over about the live
+context, not the whole capacity (2.6x faster on 500-token prompts). (Measured on a 2-core
 CPU at batch 32: capturing costs ~5 % of the decode; a second forward over
 the finished sequences, even packed into 1,536-token forwards, cost 60-80 %.)
 
@@ -733,7 +735,7 @@ class TargetResponses(LocalBuilder):
       ids = [list(p.ids) for p in batch] + [list(batch[-1].ids)] * (c.batch_size - real)
       out = generate(model, ids, max_new_tokens=c.max_new_tokens, sampling=sampling,
                      seed=batch_key(c.seed, start // c.batch_size), stop_tokens=stops,
-                     capture_taps=taps)
+                     capture_taps=taps, grow_cache=True)
       seconds += out.seconds  # compiled execution only; compilation is counted apart
       compile_seconds += out.compile_seconds
       batch_new = 0
