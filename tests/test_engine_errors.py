@@ -53,6 +53,7 @@ def test_drafter_built_for_another_target(tiny, kind, other, taps, match):
     (dict(drafter=None), "mode 'dloop' needs a drafter"),
     (dict(mode="sd", drafter=None), "mode 'sd' needs a drafter"),
     (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(grow_cache=True), "grow_cache is only supported in mode='ar'"),
 ])
 def test_bad_arguments(tiny, oracle, kwargs, match):
   """Bad gamma, S_max, gate, mode, missing drafter or length: ConfigError naming it."""

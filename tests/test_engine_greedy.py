@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import drafter_fixtures
-from dloop_jax.decoding import generate
+from dloop_jax.decoding import SamplingConfig, engine, generate
 from lossless import assert_same_or_near_tie
 
 GATES = (-math.inf, -0.5, 0.0, math.inf)
@@ -134,3 +134,28 @@ def test_perturbed_partial_acceptance(tiny, drafters):
   out = generate(tiny, prompts, max_new_tokens=40, mode="sd", drafter=drafters["perturbed"],
                  block_size=3, schedule="off")
   assert 1.2 < out.total.acceptance_length < 3.5
+
+
+def test_cache_ladder_grows_past_the_prompt_to_the_capacity():
+  for prompt_width, capacity in [(16, 64), (48, 384), (512, 1024), (96, 3072), (1000, 1024)]:
+    ladder = engine.cache_ladder(prompt_width=prompt_width, capacity=capacity)
+    assert ladder[-1] == capacity and list(ladder) == sorted(set(ladder))
+    assert ladder[0] > min(prompt_width, capacity - 1)
+    assert len(ladder) <= engine.GROW_MAX_STEPS + 1
+
+
+def test_growing_cache_gives_the_same_tokens_and_taps(tiny):
+  # Rows of very different lengths, 150 new tokens: the cache grows 64 -> 192
+  # slots in three steps while rows finish at different times. Sampled, so the
+  # keys must be used as with a fixed cache; greedy builds compare with
+  # `generate()` in tests/test_data_target_responses.py.
+  rng = np.random.default_rng(11)
+  prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 9, 30, 17)]
+  args = dict(max_new_tokens=150, capture_taps=(0, 1), stop_tokens=(5,),
+              sampling=SamplingConfig(temperature=1.0), seed=2)
+  fixed = generate(tiny, prompts, **args)
+  grown = generate(tiny, prompts, grow_cache=True, **args)
+  assert grown.tokens == fixed.tokens
+  assert len({len(t) for t in fixed.tokens}) > 1  # some rows stop early
+  for a, b in zip(grown.features, fixed.features):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

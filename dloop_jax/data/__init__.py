@@ -2,6 +2,7 @@
 
     sharegpt          ShareGPT conversations, train / held-out split by id hash
     target_responses  the target's regenerated answers + its tapped hidden states
+    shard_writer      streams a split into array_record shards (no TFDS shuffler)
     pipeline          Grain: shuffle -> pad / pack -> batch -> per-process shard
 
 Build both from the command line with `python -m train.data --config

@@ -90,6 +90,7 @@ class _Static:
   prompt_width: int
   capacity: int
   tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains (`decoding.tree_round`)
+  grow_cache: bool = False  # "ar" only: the cache grows in steps (`cache_ladder`)
 
   @property
   def draft_width(self) -> int:
@@ -149,6 +150,28 @@ _COMPILED: dict[_Static, Any] = {}
 def trace_count() -> int:
   """How many times a decode program has been traced (and so compiled)."""
   return _TRACE_COUNT
+
+
+# Slots added per step of a growing cache (`cache_ladder`), and at most this
+# many steps (each is one more compiled copy of the decode step).
+GROW_STEP = 64
+GROW_MAX_STEPS = 8
+
+
+def cache_ladder(*, prompt_width: int, capacity: int) -> tuple[int, ...]:
+  """Capacities a growing cache ("ar", `grow_cache`) goes through, ending at `capacity`.
+
+  Every decode step attends over the whole cache, so at 512-token prompts a
+  1,024-slot cache costs about three times the step of a 384-slot one
+  (SmolLM2-135M, batch 64, CPU). A growing cache starts just past the prompt
+  width and adds `GROW_STEP` slots (more when that would take over
+  `GROW_MAX_STEPS` steps) whenever the longest row reaches its end; each step
+  is a copy of the cache, once.
+  """
+  step = max(GROW_STEP, -(-(capacity - prompt_width) // GROW_MAX_STEPS))
+  step = -(-step // GROW_STEP) * GROW_STEP
+  first = min(capacity, -(-(prompt_width + 1) // GROW_STEP) * GROW_STEP)
+  return tuple(range(first, capacity, step)) + (capacity,)
 
 
 def _pad_axis1(x: jax.Array, width: int) -> jax.Array:
@@ -227,7 +250,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   widths = s.widths
 
   # ------------------------------------------------------------------ prefill
-  cache = target.init_cache(batch_size=b, capacity=cap)
+  ladder = cache_ladder(prompt_width=tp, capacity=cap) if s.grow_cache else (cap,)
+  cache = target.init_cache(batch_size=b, capacity=ladder[0])
   positions = jnp.broadcast_to(jnp.arange(tp)[None, :], (b, tp))
   pre = target(prompts, positions=positions, cache=cache, taps=taps,
                logit_positions=(prompt_lengths - 1)[:, None])
@@ -416,7 +440,15 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     # own (none while some active row is due to draft, or once all are done).
     return jax.lax.while_loop(all_paused, paused_step, spec_round(lp))
 
-  loop = jax.lax.while_loop(cond, ar_round if s.mode == "ar" else round_then_pauses, loop)
+  if s.mode == "ar":
+    for i, slots in enumerate(ladder):
+      if i:
+        loop = loop.replace(cache=loop.cache.grow(slots))
+      # A step writes slot `lengths` of every row: it needs one free slot.
+      loop = jax.lax.while_loop(
+          lambda lp, slots=slots: cond(lp) & (jnp.max(lp.cache.lengths) < slots), ar_round, loop)
+  else:
+    loop = jax.lax.while_loop(cond, round_then_pauses, loop)
   return loop.out, loop.num_new, loop.stats, loop.features
 
 
@@ -528,6 +560,7 @@ def _prepare(
     draft_backoff: int | None = None,
     tree_budget: int = 0,
     confidence: str = "auto",
+    grow_cache: bool = False,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
@@ -544,6 +577,9 @@ def _prepare(
     raise ConfigError("sampling must be a SamplingConfig.")
   if capture_taps and mode != "ar":
     raise ConfigError("capture_taps is only supported in mode='ar'.")
+  if grow_cache and mode != "ar":
+    raise ConfigError("grow_cache is only supported in mode='ar' (speculative modes verify"
+                      " several tokens per forward into a cache of fixed size).")
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ConfigError("Every prompt needs at least one token.")
@@ -576,7 +612,8 @@ def _prepare(
       max_stages=s_max, schedule=schedule if not is_ar else "off", sampling=sampling,
       stop_slots=_stop_slots(len(stops)),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
-      prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0)
+      prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0,
+      grow_cache=bool(grow_cache))
 
   padded = np.zeros((len(prompts), tp), np.int32)
   for i, p in enumerate(prompts):
@@ -633,6 +670,7 @@ def generate(
     draft_backoff: int | None = None,
     tree_budget: int = 0,
     confidence: str = "auto",
+    grow_cache: bool = False,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -678,6 +716,11 @@ def generate(
       DSpark's confidence head); "probability", the drafter's top draft
       probability (`schedule.draft_confidence`); "auto" (default), the first
       when the drafter has one. A traced value: switching does not recompile.
+    grow_cache: ("ar" only) start the KV cache just past the prompts and grow
+      it in steps (`cache_ladder`), so that each step attends over about the
+      live context instead of the whole capacity: faster long generations
+      (dataset builds), a longer compile. Same tokens and taps up to
+      floating-point summation order.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -686,7 +729,8 @@ def generate(
       target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
       stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
-      draft_backoff=draft_backoff, tree_budget=tree_budget, confidence=confidence)
+      draft_backoff=draft_backoff, tree_budget=tree_budget, confidence=confidence,
+      grow_cache=grow_cache)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages

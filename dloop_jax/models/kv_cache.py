@@ -62,6 +62,14 @@ class KVCache:
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=lengths.astype(jnp.int32))
 
+  def grow(self, capacity: int) -> "KVCache":
+    """The same cache with `capacity` slots (new slots empty; one copy of the cache)."""
+    if capacity < self.capacity:
+      raise ValueError(f"grow() cannot shrink a cache of {self.capacity} slots to {capacity}.")
+    pad = ((0, 0), (0, capacity - self.capacity), (0, 0))
+    return self.replace(k=tuple(jnp.pad(x, pad) for x in self.k),
+                        v=tuple(jnp.pad(x, pad) for x in self.v))
+
   def append(self, new_kv: Sequence[tuple[jax.Array, jax.Array]]) -> "KVCache":
     """Writes T new tokens' (keys, values) [B, T, K, H] per layer at slots
     `lengths + t` and advances `lengths` by T."""
