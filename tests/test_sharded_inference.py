@@ -1,6 +1,6 @@
 """Sharded inference: a target split over a data=2, tensor=4 mesh of 8 simulated CPU devices.
 
-Greedy outputs of ar, sd, dloop (and, with DLOOP_MEASURE=1, a dloop tree) on the mesh equal the
+Greedy outputs of ar, sd, dloop and a dloop tree on the mesh equal the
 single-device ar output (which every single-device mode equals: the lossless
 tests), weights load straight onto their shards, and bad meshes get clear
 errors. The mesh runs in ONE subprocess: the device count is fixed when JAX
@@ -70,10 +70,9 @@ _SCRIPT = textwrap.dedent(r"""
         # verifies through the lax.switch over widths.
         "dloop": dict(mode="dloop", drafter=block, block_size=3, max_stages=2, gate=-math.inf,
                       costs=COSTS),
+        "dloop_tree": dict(mode="dloop", drafter=fixture, block_size=3, max_stages=2, gate=-1.0,
+                           tree_budget=4),
     }
-    if os.environ.get("DLOOP_MEASURE") == "1":  # another 11 s of compiles
-      runs["dloop_tree"] = dict(mode="dloop", drafter=fixture, block_size=3, max_stages=2,
-                                gate=-1.0, tree_budget=4)
     for name, kw in runs.items():
       got = generate(split, prompts, max_new_tokens=14, **kw)
       out[name] = dict(
@@ -156,8 +155,6 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "dloop", "dloop_tree"])
 def test_mesh_outputs_equal_single_device(results, mode):
-  if mode not in results:
-    pytest.skip("trees on the mesh run with DLOOP_MEASURE=1 (11 s more of compiles)")
   r = results[mode]
   # Split contractions sum in another order: only a near-tie may flip a token.
   assert all(r["lossless"]), r
