@@ -73,7 +73,7 @@ def test_shipped_drafter_is_lossless_on_the_real_model(real, name, tmp_path):
     assert sorted(want) == sorted(got)
     for k in want:
       np.testing.assert_array_equal(want[k], got[k], err_msg=str(k))
-    again = generate(real.model, prompts, max_new_tokens=48, mode="dloop", drafter=loaded,
+    again = generate(real.model, prompts, max_new_tokens=32, mode="dloop", drafter=loaded,
                      gate=float("-inf"), stop_tokens=stop)
     assert again.tokens == out.tokens
     assert (again.total.accepted, again.total.drafted) == (out.total.accepted, out.total.drafted)
