@@ -163,3 +163,42 @@ def test_trainer_contract(tmp_path):
   pipeline.check_dataset_matches(path, taps=(0, 1), target_config=model.config,
                                  target_name="tiny(seed=1,init_std=0.3)")
   assert os.path.isdir(pipeline.resolve_dataset_dir(path))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_max_examples_trains_on_the_first_n(dataset, pack):
+  """Nested subsets for data-scaling runs: the first N examples of the split, counted alike."""
+  out_dir, _ = dataset
+  source = pipeline.data_source(out_dir)
+  first = {tuple(np.asarray(source[i]["tokens"]).tolist()) for i in range(12)}
+  rows = [r for b in _it(out_dir, max_examples=12, num_epochs=2, pack=pack) for r in _rows(b)]
+  assert rows and set(rows) <= first  # examples fit SEQ_LEN: none is cut
+  if not pack:  # 12 = 3 batches of 4: each epoch holds every example once
+    assert len(rows) == 24 and set(rows) == first
+  counts = pipeline.token_counts(out_dir, vocab_size=128, max_examples=12)
+  masked = np.concatenate([np.asarray(source[i]["tokens"])[np.asarray(source[i]["loss_mask"]) != 0]
+                           for i in range(12)])
+  np.testing.assert_array_equal(counts, np.bincount(masked, minlength=128))
+  with pytest.raises(ConfigError, match="max_examples=31 but the 'train' split holds 30"):
+    _it(out_dir, max_examples=31)
+  with pytest.raises(ConfigError, match="max_examples must be >= 0"):
+    _it(out_dir, max_examples=-1)
+
+
+def test_trainer_forms_packed_rows_from_a_dataset_path(dataset, tmp_path):
+  """`data.options.pack` reaches the pipeline for built datasets; tiny-build keys are refused."""
+  from ml_collections import ConfigDict  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  out_dir, _ = dataset
+  c = config_lib.base_config()
+  c.data.source, c.data.path, c.data.seq_len = "path", out_dir, SEQ_LEN
+  c.data.options = ConfigDict(dict(pack=True))
+  hook = dict(target=None, drafter=None, workdir=str(tmp_path), batch_size=4, shard_index=0,
+              shard_count=1)
+  batch = next(trainer_lib.default_make_iterator(c, **hook)[0])
+  # Examples of 5..20 tokens in rows of 40: packing puts several in a row.
+  assert batch["segment_ids"].max() >= 2
+  c.data.options = ConfigDict(dict(pack=True, random_prompt_max_len=8))
+  with pytest.raises(ConfigError, match=r"\['random_prompt_max_len'\] only configure the tiny"):
+    trainer_lib.default_make_iterator(c, **hook)

@@ -141,13 +141,14 @@ def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN):
 
 
 def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_lib.TRAIN,
-                 masked: bool = True) -> np.ndarray:
+                 masked: bool = True, max_examples: int = 0) -> np.ndarray:
   """[V] int64 counts of the target tokens of a split, in one pass over its examples.
 
   `masked` counts only response tokens (`loss_mask` 1): what a drafter
   predicts; prompts are inputs only. Whole examples are counted, also beyond
-  a training `seq_len`. The `features` field (almost all of each record) is
-  left undecoded.
+  a training `seq_len`; with `max_examples` only the split's first N (the
+  examples `make_dataset(max_examples=N)` trains on). The `features` field
+  (almost all of each record) is left undecoded.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   builder = tfds.builder_from_directory(resolve_dataset_dir(path))
@@ -156,7 +157,7 @@ def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_li
   source = builder.as_data_source(split=split,
                                   decoders={"features": tfds.decode.SkipDecoding()})
   counts = np.zeros((vocab_size,), np.int64)
-  for i in range(len(source)):
+  for i in range(min(len(source), max_examples) if max_examples else len(source)):
     example = source[i]
     tokens = np.asarray(example["tokens"])
     if masked:
@@ -215,6 +216,7 @@ def make_dataset(
     split: str = tr_lib.TRAIN,
     num_packing_bins: int | None = None,
     worker_count: int = 0,
+    max_examples: int = 0,
     source: Any = None,
 ) -> grain.IterDataset:
   """The pipeline as a Grain `IterDataset` (`make_train_iterator` iterates it).
@@ -231,6 +233,8 @@ def make_dataset(
     split: dataset split.
     num_packing_bins: rows packed at a time (default batch_size).
     worker_count: Grain worker processes (0 = in this process).
+    max_examples: train on the split's first N examples only (0 = all): nested
+      subsets of one dataset (data-scaling runs), the same N for every process.
     source: a random-access source to use instead of `path` (tests).
   """
   if shard_index is None or shard_count is None:
@@ -243,8 +247,15 @@ def make_dataset(
     raise ConfigError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len}, {batch_size}.")
   if num_epochs is not None and num_epochs < 1:
     raise ConfigError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}.")
+  if max_examples < 0:
+    raise ConfigError(f"max_examples must be >= 0 (0 = every example), got {max_examples}.")
   src = source if source is not None else data_source(path, split=split)
   ds = grain.MapDataset.source(src)
+  if max_examples:
+    if max_examples > len(ds):
+      raise ConfigError(f"max_examples={max_examples} but the {split!r} split holds {len(ds)}"
+                        " examples; build a larger dataset or lower max_examples.")
+    ds = ds[:max_examples]
   if pack:
     n = len(ds) - len(ds) % shard_count
     if n == 0:

@@ -56,6 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
       batch_size=8,  # global, over all processes
       seq_len=64,
       num_examples=256,  # tiny_random only
+      max_examples=0,  # train on the first N examples of the split (0 = all)
       shuffle_seed=0,
       worker_count=0,
       options=ml_collections.ConfigDict(),

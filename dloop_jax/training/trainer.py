@@ -56,6 +56,9 @@ from dloop_jax.training import sharding as sharding_lib
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 EXPORT_DIR = "export"
+# `data.options` keys that shape the training rows, for every data source
+# (`dloop_jax.data.pipeline.make_dataset`).
+ITERATOR_OPTIONS = ("pack", "num_packing_bins")
 
 
 # --------------------------------------------------------------------- hooks
@@ -84,9 +87,10 @@ class TrainHooks:
       `get_state()` / `set_state()`.
     check_dataset: `(data_info, *, drafter, target: Target) -> None`, raises
       ConfigError when the data does not fit the drafter (other taps, target).
-    token_counts: `(data_info, *, vocab_size) -> [vocab_size] counts` of the
-      training tokens the drafter predicts; a fresh drafter with a reduced
-      draft vocabulary uses the most frequent ones.
+    token_counts: `(data_info, *, vocab_size[, max_examples]) -> [vocab_size]
+      counts` of the training tokens the drafter predicts; a fresh drafter
+      with a reduced draft vocabulary uses the most frequent ones.
+      `max_examples` is passed when `data.max_examples` is set.
   """
 
   build_target: Callable[..., Target]
@@ -155,6 +159,8 @@ def default_make_iterator(config, *, target: Target, drafter, workdir, batch_siz
   pipeline = _pipeline()
   d = config.data
   options = config_lib.to_plain(d.options)
+  # How rows are formed (every source); the other keys configure the tiny build.
+  row_options = {k: options.pop(k) for k in ITERATOR_OPTIONS if k in options}
   if d.source == "tiny_random":
     path = os.path.join(workdir, "data")
     if not os.path.exists(os.path.join(path, "COMPLETE")):
@@ -173,11 +179,15 @@ def default_make_iterator(config, *, target: Target, drafter, workdir, batch_siz
       raise ConfigError("data.source='path' needs data.path: a dataset built with"
                         " `python -m train.data`.")
     path = d.path
+    if options:
+      raise ConfigError(f"data.options {sorted(options)} only configure the tiny_random build;"
+                        f" with data.source='path' the options are {list(ITERATOR_OPTIONS)}.")
   else:
     raise ConfigError(f"data.source must be 'tiny_random' or 'path', got {d.source!r}.")
   iterator = pipeline.make_train_iterator(
       path=path, batch_size=batch_size, seq_len=int(d.seq_len), seed=int(d.shuffle_seed),
-      shard_index=shard_index, shard_count=shard_count, worker_count=int(d.worker_count))
+      shard_index=shard_index, shard_count=shard_count, worker_count=int(d.worker_count),
+      max_examples=int(d.max_examples), **row_options)
   return iterator, path
 
 
@@ -186,13 +196,16 @@ def default_check_dataset(data_info, *, drafter, target: Target):
                                     target_config=target.model.config, target_name=target.name)
 
 
-def default_token_counts(data_info, *, vocab_size: int) -> np.ndarray:
-  """Response-token counts of the training split of the dataset at `data_info` (a path)."""
+def default_token_counts(data_info, *, vocab_size: int, max_examples: int = 0) -> np.ndarray:
+  """Response-token counts of the training split of the dataset at `data_info` (a path).
+
+  `max_examples`: count the examples the run trains on (`data.max_examples`).
+  """
   if not isinstance(data_info, (str, os.PathLike)):
     raise ConfigError("A drafter with a reduced draft vocabulary needs the token counts of its"
                       f" training data; the data hook returned {type(data_info).__name__}, not"
                       " a dataset path: set TrainHooks.token_counts.")
-  return _pipeline().token_counts(data_info, vocab_size=vocab_size)
+  return _pipeline().token_counts(data_info, vocab_size=vocab_size, max_examples=max_examples)
 
 
 def default_hooks() -> TrainHooks:
@@ -660,8 +673,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
       # weights); a fresh one drafts the most frequent tokens of this data.
       start = time.perf_counter()
       count_fn = hooks.token_counts or default_token_counts
+      subset = {"max_examples": int(c.data.max_examples)} if c.data.max_examples else {}
       counts = np.asarray(count_fn(data_info,
-                                   vocab_size=int(trainer.target.model.config.vocab_size)))
+                                   vocab_size=int(trainer.target.model.config.vocab_size),
+                                   **subset))
       d2t = trainer.set_draft_vocab(counts)
       logging.info("Draft vocabulary: the %d most frequent token ids, %.1f %% of the %d response"
                    " tokens of the training data (counted in %.1f s).", d2t.size,
