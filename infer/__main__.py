@@ -75,39 +75,12 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
-def _read_prompts(path: str) -> list[str]:
-  """The "prompt" field of every non-blank line of a JSONL file.
-
-  Raises:
-    DLoopError: a line is not a JSON object with a string "prompt" (names the
-      file and the 1-based line number).
-  """
-  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
-
-  prompts = []
-  with open(path) as f:
-    for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DLoopError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno});"
-                         ' each line must be an object like {"prompt": "..."}.') from e
-      if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        got = (f"keys {sorted(record)}" if isinstance(record, dict)
-               else f"a JSON {type(record).__name__}")
-        raise DLoopError(f'{path}, line {number}: expected an object with a string "prompt"'
-                         f" field, got {got}.")
-      prompts.append(record["prompt"])
-  return prompts
-
-
 def main(argv=None) -> int:
   args = _parse(argv)
   from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
   enable_compilation_cache()
 
+  from dloop_jax import prompt_files
   from dloop_jax.decoding import SamplingConfig, generate
   from dloop_jax.errors import DLoopError
   from dloop_jax.models.registry import load_target
@@ -116,7 +89,7 @@ def main(argv=None) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     # Prompts first: a bad file fails before the target loads.
     if args.prompts_file:
-      prompts = _read_prompts(args.prompts_file)
+      prompts = prompt_files.read_prompts(args.prompts_file)
     else:
       prompts = [args.prompt or "What is the capital of France?"]
     mesh = None

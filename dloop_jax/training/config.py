@@ -85,6 +85,22 @@ def base_config() -> ml_collections.ConfigDict:
   # loop-aware fine-tuning starts from a normally trained drafter.
   c.init_from = ""
   c.export = ml_collections.ConfigDict(dict(enabled=True, path=""))  # "" = <workdir>/export
+  # Acceptance length measured by the engine during training (`engine_eval`):
+  # greedy `generate()` on held-out prompts, every draft verified.
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=0,  # 0 = never; else every N steps and at the last step
+      # "bench": the benchmark's prompts (math, code, chat; the target's chat
+      # template); "random": random token ids (targets without a tokenizer);
+      # else a JSONL file with a "prompt" field per line.
+      prompts="bench",
+      num_prompts=6,  # "bench": per category
+      max_prompt_tokens=512,
+      max_new_tokens=64,
+      modes=("sd", "dloop"),
+      gate=-0.5,  # dloop's gate
+      data_dir="",  # "bench": where the ShareGPT held-out prompts are ("" = default)
+      keep_best="engine_tau_sd",  # export the best step by this metric to <workdir>/best
+  ))
   # "module:attribute" of a `TrainHooks` replacing how the target, drafter,
   # loss and data are built (custom drafters, tests).
   c.hooks = ""
@@ -169,6 +185,21 @@ def validate(config: Mapping[str, Any]) -> None:
   if not isinstance(c["checkpoint"]["every_steps"], int) or c["checkpoint"]["every_steps"] < 1:
     raise ConfigError("checkpoint.every_steps must be an int >= 1, got"
                       f" {c['checkpoint']['every_steps']!r}.")
+  e = c["eval"]
+  if not isinstance(e["every_steps"], int) or e["every_steps"] < 0:
+    raise ConfigError(f"eval.every_steps must be an int >= 0 (0 = no engine evaluation), got"
+                      f" {e['every_steps']!r}.")
+  if e["every_steps"]:
+    modes = tuple(e["modes"])
+    if not modes or any(m not in ("sd", "dloop") for m in modes):
+      raise ConfigError(f"eval.modes must be a non-empty subset of ('sd', 'dloop'), got {modes}.")
+    best = e["keep_best"]
+    if best and best not in tuple(f"engine_tau_{m}" for m in modes):
+      raise ConfigError(f"eval.keep_best={best!r} is not measured; use one of"
+                        f" {[f'engine_tau_{m}' for m in modes]} or '' (keep none).")
+    for key in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
+      if not isinstance(e[key], int) or e[key] < 1:
+        raise ConfigError(f"eval.{key} must be an int >= 1, got {e[key]!r}.")
   if "kind" not in c["drafter"]:
     raise ConfigError("drafter.kind is required (e.g. 'eagle3', 'block', 'dspark' or 'domino').")
   sharding_lib.normalize_rules(c["sharding"]["rules"])

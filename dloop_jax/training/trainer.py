@@ -50,12 +50,14 @@ from dloop_jax.errors import ConfigError, DrafterMismatchError
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
 from dloop_jax.training import distributed as distributed_lib
+from dloop_jax.training import engine_eval as engine_eval_lib
 from dloop_jax.training import optim as optim_lib
 from dloop_jax.training import sharding as sharding_lib
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 EXPORT_DIR = "export"
+BEST_DIR = "best"
 # `data.options` keys that shape the training rows, for every data source
 # (`dloop_jax.data.pipeline.make_dataset`).
 ITERATOR_OPTIONS = ("pack", "num_packing_bins")
@@ -270,7 +272,10 @@ def _rebuild(template: list[tuple[tuple, nnx.Variable]], values: Mapping[str, An
 
 
 def _place(values: Mapping[str, Any], shardings: Mapping[str, Any]) -> dict[str, jax.Array]:
-  return {k: jax.device_put(v, shardings[k]) for k, v in values.items()}
+  # Copies: a drafter may start from the target's own arrays (EAGLE-3's final
+  # norm), and the train step donates its parameters; an alias would delete
+  # the target's weights with the first update.
+  return {k: jax.device_put(v, shardings[k], may_alias=False) for k, v in values.items()}
 
 
 def _scalar(x: Any) -> Any:
@@ -394,6 +399,20 @@ class Trainer:
     return nnx.merge(self.graphdef, _rebuild(t["params"], params or self.params),
                      _rebuild(t["frozen"], self.frozen), self.rng_state,
                      _rebuild(t["model_state"], self.model_state))
+
+  def host_drafter(self) -> nnx.Module:
+    """The drafter with host copies of its current state (unsharded, off the mesh).
+
+    What `generate()` on the (unsharded) target runs: the engine evaluation.
+    """
+    t = self._templates
+
+    def host(values):
+      return {k: np.asarray(v) for k, v in jax.device_get(dict(values)).items()}
+
+    return nnx.merge(self.graphdef, _rebuild(t["params"], host(self.params)),
+                     _rebuild(t["frozen"], host(self.frozen)), jax.device_get(self.rng_state),
+                     _rebuild(t["model_state"], host(self.model_state)))
 
   def meta(self) -> dict[str, Any]:
     """What a checkpoint records about the run (checked on resume)."""
@@ -611,6 +630,53 @@ def _progress(total: int, initial: int, enabled: bool):
                    dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
 
 
+# ------------------------------------------------------- engine evaluation
+def _engine_evaluation(c: ml_collections.ConfigDict, trainer: Trainer, workdir: str
+                       ) -> tuple[engine_eval_lib.EngineEval | None, float]:
+  """The run's `EngineEval` (None when `eval.every_steps` is 0) and the best score so far."""
+  if not c.eval.every_steps:
+    return None, -math.inf
+  if jax.process_count() > 1:
+    raise ConfigError("eval.every_steps runs the engine on one process; on a multi-process run"
+                      " set it to 0 and evaluate the checkpoints' exports separately.")
+  evaluator = engine_eval_lib.from_config(c.eval, target=trainer.target.model,
+                                          tokenizer=trainer.target.tokenizer, seed=int(c.seed))
+  best = -math.inf
+  if c.eval.keep_best and os.path.exists(os.path.join(workdir, BEST_DIR, drafter_io.INFO_FILE)):
+    # A resumed run keeps the best of its earlier part.
+    info = drafter_io.read_info(os.path.join(workdir, BEST_DIR))
+    best = float(info.get("metrics", {}).get(c.eval.keep_best, -math.inf))
+  logging.info("Engine evaluation every %d steps: %d prompts, modes %s%s.", c.eval.every_steps,
+               len(evaluator.prompts), list(evaluator.modes),
+               f", best {c.eval.keep_best} so far {best:.3f}" if best > -math.inf else "")
+  return evaluator, best
+
+
+def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: str,
+              c: ml_collections.ConfigDict, *, best: float, last: dict[str, Any],
+              writer: _MetricsWriter, bar: Any) -> float:
+  """Measures the drafter in the engine, logs it, exports it if it is the best; returns the best."""
+  drafter = trainer.host_drafter()
+  result = evaluator(trainer.target.model, drafter)
+  writer.write(trainer.step, result)
+  last.update(result)
+  summary = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("engine_tau"))
+  key = c.eval.keep_best
+  if key and result[key] > best:
+    best = result[key]
+    drafter_io.export_drafter(drafter, os.path.join(workdir, BEST_DIR),
+                              target_name=trainer.target.name, metrics=dict(last),
+                              extra={"step": trainer.step, "objective": c.objective,
+                                     "workdir": workdir})
+    summary += f" (best so far: exported to {os.path.join(workdir, BEST_DIR)})"
+  message = f"step {trainer.step}: engine {summary} in {result['engine_eval_s']:.1f}s"
+  if bar is not None:
+    bar.write(message)
+  else:
+    logging.info(message)
+  return best
+
+
 # --------------------------------------------------------------------- run
 @dataclasses.dataclass
 class TrainResult:
@@ -686,6 +752,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
       logging.warning("Loop-aware training from a random drafter: the recipe fine-tunes a"
                       " normally trained one (set init_from to its workdir or export).")
 
+  evaluator, best = _engine_evaluation(c, trainer, workdir)
   writer = _MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
   bar = _progress(num_steps, trainer.step, bool(c.progress_bar))
   meta = trainer.meta()
@@ -736,6 +803,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
           bar.set_postfix(post, refresh=False)
         else:
           logging.info("step %d: %s", trainer.step, {k: host[k] for k in sorted(host)})
+      if evaluator is not None and (trainer.step % int(c.eval.every_steps) == 0
+                                    or trainer.step == num_steps):
+        best = _evaluate(evaluator, trainer, workdir, c, best=best, last=last, writer=writer,
+                         bar=bar)
       if bar is not None:
         bar.update(1)
       if trainer.step % int(c.checkpoint.every_steps) == 0 or trainer.step == num_steps:

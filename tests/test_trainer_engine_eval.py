@@ -1,0 +1,105 @@
+"""Engine evaluation during training: τ of `generate()` at checkpoints, the best step exported."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+from ml_collections import ConfigDict
+
+import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
+import trainer_hooks
+from dloop_jax.drafters import io as drafter_io
+from dloop_jax.errors import ConfigError
+from dloop_jax.training import config as config_lib
+from dloop_jax.training import engine_eval
+from dloop_jax.training import trainer as trainer_lib
+
+
+def _config(**overrides) -> ConfigDict:
+  c = trainer_hooks.tiny_config(hooks="", **overrides)
+  c.drafter = ConfigDict(dict(kind="eagle3", block_size=2))
+  c.objective_cfg = ConfigDict(dict(ttt_steps=2, step_decay=0.8))
+  c.optim.learning_rate, c.optim.warmup_steps = 3e-3, 1
+  c.checkpoint.every_steps = 2
+  c.eval.every_steps, c.eval.prompts, c.eval.num_prompts = 2, "random", 3
+  c.eval.max_new_tokens = 12
+  return c
+
+
+def _evaluations(workdir: str) -> dict[int, dict]:
+  with open(os.path.join(workdir, trainer_lib.METRICS_FILE)) as f:
+    lines = [json.loads(line) for line in f]
+  return {r["step"]: r for r in lines if "engine_tau_sd" in r}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """Four steps evaluated every two, then resumed to eight."""
+  workdir = str(tmp_path_factory.mktemp("engine_eval"))
+  first = trainer_lib.train(_config(num_steps=4, export__enabled=False), workdir)
+  first_best = drafter_io.read_info(os.path.join(workdir, trainer_lib.BEST_DIR))
+  second = trainer_lib.train(_config(num_steps=8), workdir)
+  return workdir, first, first_best, second
+
+
+def test_engine_tau_is_logged_at_every_evaluation(run):
+  workdir, first, _, second = run
+  evals = _evaluations(workdir)
+  assert sorted(evals) == [2, 4, 6, 8]
+  for r in evals.values():
+    # A round commits at least the target's token, at most every draft + 1.
+    assert 1.0 <= r["engine_tau_sd"] <= 3.0 and 1.0 <= r["engine_tau_dloop"] <= 7.0, r
+    assert r["engine_eval_s"] > 0
+  assert first.metrics["engine_tau_sd"] == evals[4]["engine_tau_sd"]
+  assert second.metrics["engine_tau_dloop"] == evals[8]["engine_tau_dloop"]
+
+
+def test_best_step_is_exported_and_survives_a_resume(run):
+  workdir, _, first_best, _ = run
+  evals = _evaluations(workdir)
+  tau = {step: r["engine_tau_sd"] for step, r in evals.items()}
+  best_early = max((2, 4), key=lambda s: (tau[s], -s))  # the first of equal scores is kept
+  assert first_best["extra"]["step"] == best_early
+  info = drafter_io.read_info(os.path.join(workdir, trainer_lib.BEST_DIR))
+  best = max(sorted(tau), key=lambda s: (tau[s], -s))
+  assert info["extra"]["step"] == best
+  assert info["metrics"]["engine_tau_sd"] == tau[best]
+  target = trainer_lib.default_build_target(_config().target).model
+  assert drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+
+
+class _Tokenizer:
+  stop_token_ids = (2,)
+
+  def apply_chat_template(self, messages, add_generation_prompt):
+    assert add_generation_prompt
+    return [1] + [3 + ord(ch) % 50 for ch in messages[0]["content"]] + [2]
+
+
+def test_prompts_file_is_read_through_the_chat_template(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("\n".join(json.dumps({"prompt": p}) for p in ("hi", "x" * 40, "abc", "de")))
+  target = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64,
+                                                              vocab_size=64))
+  c = config_lib.base_config().eval
+  c.prompts, c.num_prompts, c.max_prompt_tokens, c.max_new_tokens = str(path), 2, 16, 8
+  ev = engine_eval.from_config(c, target=target, tokenizer=_Tokenizer())
+  # The 42-token prompt does not fit 16: the first two that do.
+  assert ev.prompts == ((1, 7, 8, 2), (1, 50, 51, 52, 2)) and ev.stop_tokens == (2,)
+  c.prompts = "bench"
+  with pytest.raises(ConfigError, match="needs the target's tokenizer"):
+    engine_eval.from_config(c, target=target, tokenizer=None)
+
+
+def test_bad_eval_settings_are_refused():
+  c = _config()
+  c.eval.keep_best = "engine_tau_tree"
+  with pytest.raises(ConfigError, match="eval.keep_best='engine_tau_tree' is not measured"):
+    config_lib.validate(c)
+  c = _config()
+  c.eval.modes = ("ar",)
+  with pytest.raises(ConfigError, match="eval.modes must be"):
+    config_lib.validate(c)
