@@ -27,11 +27,15 @@ def test_config_validates(name, monkeypatch):
 @pytest.mark.parametrize("name,loop_name", [
     ("tiny_eagle3.py", "tiny_eagle3.py:loop"), ("tiny_block.py", "tiny_block.py:loop"),
     ("tiny_dspark.py", "tiny_dspark.py:loop"), ("tiny_domino.py", "tiny_domino.py:loop"),
-    ("smollm2_eagle3.py", "smollm2_eagle3_loop.py"), ("smollm2_block.py", "smollm2_block_loop.py")])
+    ("smollm2_eagle3.py", "smollm2_eagle3_loop.py"), ("smollm2_block.py", "smollm2_block_loop.py"),
+    ("smollm2_eagle3.py:cpu10k", "smollm2_eagle3.py:cpu10k_loop"),
+    ("smollm2_block.py:cpu10k", "smollm2_block.py:cpu10k_loop")])
 def test_loop_recipe_keeps_the_drafter(name, loop_name, monkeypatch):
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)
-  base = trainer_hooks.load_config_file(name)
+  base = trainer_hooks.load_config_file(*name.split(":"))
   loop = trainer_hooks.load_config_file(*loop_name.split(":"))
+  config_lib.validate(base)
+  config_lib.validate(loop)
   assert loop.objective == "loop_aware"
   assert loop.drafter.to_dict() == base.drafter.to_dict()  # init_from must fit
   assert loop.target.to_dict() == base.target.to_dict()

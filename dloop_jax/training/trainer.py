@@ -669,7 +669,7 @@ def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: 
                               extra={"step": trainer.step, "objective": c.objective,
                                      "workdir": workdir})
     summary += f" (best so far: exported to {os.path.join(workdir, BEST_DIR)})"
-  message = f"step {trainer.step}: engine {summary} in {result['engine_eval_s']:.1f}s"
+  message = f"step {trainer.step}: {summary} (engine evaluation, {result['engine_eval_s']:.1f}s)"
   if bar is not None:
     bar.write(message)
   else:
