@@ -9,6 +9,8 @@
 from dloop_jax.training.config import base_config, loop_aware_fine_tune
 from ml_collections import ConfigDict
 
+from configs import _smollm2_10k
+
 
 def get_config(recipe: str = "") -> ConfigDict:
   c = base_config()
@@ -59,27 +61,14 @@ def get_config(recipe: str = "") -> ConfigDict:
                                   draft_vocab_size=0, mask_token_id=16))
       loop_aware_fine_tune(c, num_steps=150, learning_rate=3e-4, warmup_steps=5)
   elif recipe in ("cpu10k", "cpu10k_loop"):
-    # The 10k-prompt dataset on a 2-core CPU (as configs/smollm2_eagle3.py:
-    # cpu10k): the shipped drafter's DFlash form (gamma = 4, 2 layers, the
-    # target's head, mask = embedding of <empty_output>), packed 1,024-token
-    # rows with 64 anchors each, about 3 epochs, engine tau every 200 steps.
+    # configs/_smollm2_10k.py, with the shipped drafter's DFlash form (gamma = 4,
+    # 2 layers, the target's head, mask = embedding of <empty_output>) and 64
+    # anchors per 1,024-token row.
     c.drafter = ConfigDict(dict(kind="block", block_size=4, num_layers=2, draft_vocab_size=0,
                                 mask_token_id=16))
     c.objective_cfg = ConfigDict(dict(anchors_per_sequence=64))
-    c.data.batch_size = 4
-    c.data.seq_len = 1024
-    c.data.options = ConfigDict(dict(pack=True))
-    c.num_steps = 2_400
-    c.log_every_steps = 10
-    c.optim.learning_rate = 1e-3
-    c.optim.warmup_steps = 100
-    c.checkpoint.every_steps = 100
-    c.checkpoint.keep = 2
-    c.eval.every_steps = 200
-    c.eval.num_prompts = 2
-    if recipe == "cpu10k_loop":
-      loop_aware_fine_tune(c, num_steps=300, learning_rate=3e-4, warmup_steps=10)
-      c.eval.every_steps = 100
+    _smollm2_10k.apply(c, learning_rate=1e-3, loop=recipe == "cpu10k_loop",
+                       loop_learning_rate=3e-4)
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu', 'cpu_loop', 'cpu_dflash',"
                      " 'cpu10k' or 'cpu10k_loop'.")

@@ -17,6 +17,8 @@ On accelerators add `--config.target.dtype=bfloat16` and size the mesh, e.g.
 from dloop_jax.training.config import base_config, loop_aware_fine_tune
 from ml_collections import ConfigDict
 
+from configs import _smollm2_10k
+
 
 def get_config(recipe: str = "") -> ConfigDict:
   c = base_config()
@@ -60,27 +62,12 @@ def get_config(recipe: str = "") -> ConfigDict:
       loop_aware_fine_tune(c, num_steps=60, learning_rate=3e-4, warmup_steps=5)
       c.data.seq_len = 256
   elif recipe in ("cpu10k", "cpu10k_loop"):
-    # The 10k-prompt dataset (configs/data_smollm2.py:10k) on a 2-core CPU, in
-    # runs of a few hours that resume (scripts/smollm2_drafters.sh): packed
-    # 1,024-token rows, about 3 epochs (10k answers are ~3.1 M tokens, 4,096
-    # per step), engine tau measured every 200 steps, the best step kept.
-    c.data.batch_size = 4
-    c.data.seq_len = 1024
-    c.data.options = ConfigDict(dict(pack=True))
+    # configs/_smollm2_10k.py; the loop-aware step on 512-token rows, twice as many.
     c.objective_cfg.ttt_steps = 4
-    c.num_steps = 2_400
-    c.log_every_steps = 10
-    c.optim.learning_rate = 5e-4
-    c.optim.warmup_steps = 100
-    c.checkpoint.every_steps = 100
-    c.checkpoint.keep = 2
-    c.eval.every_steps = 200
-    c.eval.num_prompts = 2
+    _smollm2_10k.apply(c, learning_rate=5e-4, loop=recipe == "cpu10k_loop",
+                       loop_learning_rate=1.5e-4)
     if recipe == "cpu10k_loop":
-      loop_aware_fine_tune(c, num_steps=300, learning_rate=1.5e-4, warmup_steps=10)
-      c.data.seq_len = 512
-      c.data.batch_size = 8
-      c.eval.every_steps = 100
+      c.data.seq_len, c.data.batch_size = 512, 8
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '', 'loop', 'cpu', 'cpu_loop', 'cpu10k' or"
                      " 'cpu10k_loop'.")

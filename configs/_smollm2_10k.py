@@ -1,0 +1,31 @@
+"""The settings both SmolLM2 drafters' `cpu10k` recipes share (configs/smollm2_*.py).
+
+The 10k-prompt dataset (configs/data_smollm2.py:10k) on a 2-core CPU, in runs
+of a few hours that resume (scripts/smollm2_drafters.sh): packed 1,024-token
+rows, 2,400 steps (about 3 epochs: the 10k answers are ~3.1 M tokens, 4,096 a
+step), engine tau measured every 200 steps on 6 benchmark prompts, the best
+step kept; the loop-aware fine-tune is 300 steps, evaluated every 100.
+"""
+
+from ml_collections import ConfigDict
+
+from dloop_jax.training.config import loop_aware_fine_tune
+
+
+def apply(c: ConfigDict, *, learning_rate: float, loop: bool,
+          loop_learning_rate: float) -> ConfigDict:
+  c.data.batch_size = 4
+  c.data.seq_len = 1024
+  c.data.options = ConfigDict(dict(pack=True))
+  c.num_steps = 2_400
+  c.log_every_steps = 10
+  c.optim.learning_rate = learning_rate
+  c.optim.warmup_steps = 100
+  c.checkpoint.every_steps = 100
+  c.checkpoint.keep = 2
+  c.eval.every_steps = 200
+  c.eval.num_prompts = 2
+  if loop:
+    loop_aware_fine_tune(c, num_steps=300, learning_rate=loop_learning_rate, warmup_steps=10)
+    c.eval.every_steps = 100
+  return c
