@@ -52,8 +52,9 @@ from dloop_jax.models import rope as rope_lib
 from dloop_jax.models.transformer import Transformer, attention, rms_norm
 
 # Dynamic draft trees: frontier nodes expanded per depth, and children kept per
-# node (EAGLE-2's top-k, 10 there); capped by the tree budget.
-TREE_WIDTH = 8
+# node (EAGLE-2's top-k, 10 there); capped by the tree budget. At 8 a depth-4
+# tree has 32 candidates and B = 32 chose like B = 16 (docs/benchmarks.md).
+TREE_WIDTH = 16
 
 
 @struct.dataclass
