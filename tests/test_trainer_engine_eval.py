@@ -103,3 +103,13 @@ def test_bad_eval_settings_are_refused():
   c.eval.modes = ("ar",)
   with pytest.raises(ConfigError, match="eval.modes must be"):
     config_lib.validate(c)
+
+
+def test_throughput_counts_example_tokens_apart_from_padding(run):
+  workdir, *_ = run
+  with open(os.path.join(workdir, trainer_lib.METRICS_FILE)) as f:
+    logged = [r for r in map(json.loads, f) if "tokens_per_s" in r]
+  assert logged
+  for r in logged:
+    # One padded example per 32-position row (prompts of 4..8 tokens, answers up to 24).
+    assert 0 < r["example_tokens_per_s"] < r["tokens_per_s"], r

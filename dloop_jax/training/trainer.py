@@ -760,7 +760,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
     meta["init_from"] = init_source
   tokens_per_step = int(c.data.batch_size) * int(c.data.seq_len)
   compile_s = 0.0
-  window_start, window_steps = time.perf_counter(), 0
+  # Fraction of the window's row positions that hold example tokens (not
+  # padding), from this process's rows: what packing raises.
+  window_start, window_steps, window_fill = time.perf_counter(), 0, 0.0
   loop_start = time.perf_counter()
   first_step = trainer.step
 
@@ -781,17 +783,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
         break
       metrics = trainer.train_step(batch)
       window_steps += 1
+      if "segment_ids" in batch:
+        window_fill += float(np.count_nonzero(batch["segment_ids"])) / np.size(batch["segment_ids"])
       if trainer.step == first_step + 1:
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - loop_start
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, window_fill = time.perf_counter(), 0, 0.0
       if trainer.step % int(c.log_every_steps) == 0 or trainer.step == num_steps:
         host = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
         elapsed = time.perf_counter() - window_start
         if window_steps:
           host["steps_per_s"] = window_steps / max(elapsed, 1e-9)
           host["tokens_per_s"] = host["steps_per_s"] * tokens_per_step
-        window_start, window_steps = time.perf_counter(), 0
+          if window_fill:
+            host["example_tokens_per_s"] = host["tokens_per_s"] * window_fill / window_steps
+        window_start, window_steps, window_fill = time.perf_counter(), 0, 0.0
         last = host
         writer.write(trainer.step, host)
         if bar is not None:
@@ -805,8 +811,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
           logging.info("step %d: %s", trainer.step, {k: host[k] for k in sorted(host)})
       if evaluator is not None and (trainer.step % int(c.eval.every_steps) == 0
                                     or trainer.step == num_steps):
+        eval_start = time.perf_counter()
         best = _evaluate(evaluator, trainer, workdir, c, best=best, last=last, writer=writer,
                          bar=bar)
+        window_start += time.perf_counter() - eval_start  # not training time
       if bar is not None:
         bar.update(1)
       if trainer.step % int(c.checkpoint.every_steps) == 0 or trainer.step == num_steps:
