@@ -16,7 +16,7 @@ def apply(c: ConfigDict, *, learning_rate: float, loop: bool,
           loop_learning_rate: float) -> ConfigDict:
   c.data.batch_size = 4
   c.data.seq_len = 1024
-  c.data.options = ConfigDict(dict(pack=True))
+  c.data.options = ConfigDict(dict(pack=True, num_packing_bins=32))
   c.num_steps = 2_400
   c.log_every_steps = 10
   c.optim.learning_rate = learning_rate
