@@ -13,8 +13,9 @@
 #   DATA_DIR  the TFDS data directory (default: $DLOOP_DATA_DIR, else ~/.cache/dloop_jax/datasets)
 #   RUNS_DIR  where the runs go (default: runs/smollm2_10k)
 # Environment: SIZES ("1000 3000 all", the data-scaling curve; default "all"), KINDS (default
-# "eagle3 block"), PYTHON (default .venv/bin/python), and TRAIN_ARGS: more flags for every
-# `python -m train` (e.g. "--config.eval.every_steps=0").
+# "eagle3 block"), PYTHON (default .venv/bin/python), TRAIN_ARGS: more flags for every
+# `python -m train` (e.g. "--config.eval.every_steps=0"), and DATASET: a built dataset to train
+# on instead of building the 10k one (e.g. a `--snapshot` of a running build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,14 +26,17 @@ SIZES=${SIZES:-all}
 KINDS=${KINDS:-eagle3 block}
 mkdir -p "$RUNS"
 
-echo "== dataset (configs/data_smollm2.py:10k) in $DATA_DIR"
-"$PYTHON" -m train.data --config configs/data_smollm2.py:10k --data_dir "$DATA_DIR" \
-  | tee "$RUNS/data.log"
-DATASET=$(sed -n 's/.*--config\.data\.path=//p' "$RUNS/data.log" | tail -1)
-if [[ -z "$DATASET" ]]; then
-  echo "error: the data build did not report its dataset directory (see $RUNS/data.log)" >&2
-  exit 2
+if [[ -z "${DATASET:-}" ]]; then
+  echo "== dataset (configs/data_smollm2.py:10k) in $DATA_DIR"
+  "$PYTHON" -m train.data --config configs/data_smollm2.py:10k --data_dir "$DATA_DIR" \
+    | tee "$RUNS/data.log"
+  DATASET=$(sed -n 's/.*--config\.data\.path=//p' "$RUNS/data.log" | tail -1)
+  if [[ -z "$DATASET" ]]; then
+    echo "error: the data build did not report its dataset directory (see $RUNS/data.log)" >&2
+    exit 2
+  fi
 fi
+echo "== training on $DATASET"
 
 for size in $SIZES; do
   if [[ "$size" == all ]]; then examples=0; else examples=$size; fi
