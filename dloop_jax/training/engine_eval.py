@@ -18,15 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from dloop_jax.errors import ConfigError
-
-PROMPT_SOURCES = ("bench", "random")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineEval:

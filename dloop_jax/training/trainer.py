@@ -393,26 +393,20 @@ class Trainer:
   def num_params(self) -> int:
     return int(sum(math.prod(v.shape) for v in self.params.values()))
 
-  def drafter_with(self, params: Mapping[str, jax.Array] | None = None) -> nnx.Module:
-    """The drafter module holding `params` (default: the current ones)."""
-    t = self._templates
-    return nnx.merge(self.graphdef, _rebuild(t["params"], params or self.params),
-                     _rebuild(t["frozen"], self.frozen), self.rng_state,
-                     _rebuild(t["model_state"], self.model_state))
+  def drafter_with(self, params: Mapping[str, jax.Array] | None = None, *,
+                   on_host: bool = False) -> nnx.Module:
+    """The drafter module holding `params` (default: the current ones).
 
-  def host_drafter(self) -> nnx.Module:
-    """The drafter with host copies of its current state (unsharded, off the mesh).
-
-    What `generate()` on the (unsharded) target runs: the engine evaluation.
+    `on_host`: numpy copies of every array (unsharded, off the mesh), what
+    `generate()` on the unsharded target runs (the engine evaluation).
     """
     t = self._templates
-
-    def host(values):
-      return {k: np.asarray(v) for k, v in jax.device_get(dict(values)).items()}
-
-    return nnx.merge(self.graphdef, _rebuild(t["params"], host(self.params)),
-                     _rebuild(t["frozen"], host(self.frozen)), jax.device_get(self.rng_state),
-                     _rebuild(t["model_state"], host(self.model_state)))
+    get = ((lambda values: {k: np.asarray(v) for k, v in jax.device_get(dict(values)).items()})
+           if on_host else (lambda values: values))
+    rng_state = jax.device_get(self.rng_state) if on_host else self.rng_state
+    return nnx.merge(self.graphdef, _rebuild(t["params"], get(params or self.params)),
+                     _rebuild(t["frozen"], get(self.frozen)), rng_state,
+                     _rebuild(t["model_state"], get(self.model_state)))
 
   def meta(self) -> dict[str, Any]:
     """What a checkpoint records about the run (checked on resume)."""
@@ -656,7 +650,7 @@ def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: 
               c: ml_collections.ConfigDict, *, best: float, last: dict[str, Any],
               writer: _MetricsWriter, bar: Any) -> float:
   """Measures the drafter in the engine, logs it, exports it if it is the best; returns the best."""
-  drafter = trainer.host_drafter()
+  drafter = trainer.drafter_with(on_host=True)
   result = evaluator(trainer.target.model, drafter)
   writer.write(trainer.step, result)
   last.update(result)
