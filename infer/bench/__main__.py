@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     for name in names:
       d = drafter_io.load_drafter(name, target=target.model)
       label = os.path.basename(os.path.normpath(name))
-      if label == "export":
+      if label in ("export", "best"):  # a run's exports: name them by their run
         label = os.path.basename(os.path.dirname(os.path.normpath(name)))
       drafters.append((label, d))
       _log(f"[bench] drafter {label}: {d.name}, block size {d.block_size}")

@@ -54,6 +54,9 @@ def _row(category: str, method: str, drafter: str, recs: Sequence[dict],
       acceptance_length=(committed / rounds) if rounds else None,
       stages_per_round=(sum(s * c for s, c in hist.items()) / verifications
                         if verifications else None),
+      # DLoop's gate at work: the fraction of rounds that drafted a second stage or more.
+      multi_stage_fraction=(sum(c for s, c in hist.items() if s >= 2) / verifications
+                            if verifications else None),
       target_forwards=sum(r["target_forwards"] for r in recs) or None,
       # What the scheduler did: drafts verified / drafted, rounds that verified none.
       verified_fraction=(sum(r.get("verified", 0) for r in recs) / drafted) if drafted else None,
@@ -96,7 +99,8 @@ def summarize(records: Iterable[dict]) -> list[dict]:
           for c, m, d in keys]
 
 
-def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+  """x formatted by `spec` and `suffix`; "–" for None and NaN."""
   if x is None or (isinstance(x, float) and math.isnan(x)):
     return "–"
   return f"{x:{spec}}{suffix}"
@@ -106,18 +110,19 @@ def markdown(rows: Sequence[dict]) -> str:
   """The results table (one line per category, method and drafter)."""
   head = ("| category | method | drafter | prompts | tokens/s | speedup vs ar |"
           " modeled speedup (accelerator) | τ |"
-          " stages/round | identical to ar | lossless (near-tie rule) | drafts verified |"
+          " stages/round | rounds with 2+ stages | identical to ar | lossless (near-tie rule) | drafts verified |"
           " plain rounds |")
-  lines = [head, "|" + "---|" * 13]
+  lines = [head, "|" + "---|" * 14]
   for r in rows:
     lines.append(
         f"| {r['category']} | {r['method']} | {r['drafter'] or '–'} | {r['prompts']} |"
-        f" {_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['speedup_vs_ar'], '.2f', '×')} |"
-        f" {_fmt(r.get('modeled_speedup'), '.2f', '×')} |"
-        f" {_fmt(r['acceptance_length'])} | {_fmt(r['stages_per_round'])} |"
-        f" {_fmt(r['identical_to_ar'], '.0%')} | {_fmt(r['lossless_vs_ar'], '.0%')} |"
-        f" {_fmt(r.get('verified_fraction'), '.0%')} |"
-        f" {_fmt(r.get('plain_round_fraction'), '.0%')} |")
+        f" {fmt(r['tokens_per_second'], '.1f')} | {fmt(r['speedup_vs_ar'], '.2f', '×')} |"
+        f" {fmt(r.get('modeled_speedup'), '.2f', '×')} |"
+        f" {fmt(r['acceptance_length'])} | {fmt(r['stages_per_round'])} |"
+        f" {fmt(r.get('multi_stage_fraction'), '.0%')} |"
+        f" {fmt(r['identical_to_ar'], '.0%')} | {fmt(r['lossless_vs_ar'], '.0%')} |"
+        f" {fmt(r.get('verified_fraction'), '.0%')} |"
+        f" {fmt(r.get('plain_round_fraction'), '.0%')} |")
   return "\n".join(lines)
 
 

@@ -6,14 +6,11 @@ import json
 import os
 
 from dloop_jax.decoding import costs as costs_lib
+from infer.bench.report import fmt
 
 
 def _count(n: int) -> str:
   return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
-
-
-def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
-  return "–" if x is None else f"{x:{spec}}{suffix}"
 
 
 def markdown(result: dict, table: costs_lib.CostTable) -> str:
@@ -61,7 +58,7 @@ def markdown(result: dict, table: costs_lib.CostTable) -> str:
         "| rounds | rounds/s | ms / round | modeled ms / round | compile s |",
         "|---|---|---|---|---|",
         f"| {g['rounds']} | {g['rounds_per_s']:.2f} | {g['ms_per_round']:.3f} |"
-        f" {_fmt(g.get('modeled_ms_per_round'), '.3f')} | {g['compile_seconds']:.1f} |"]
+        f" {fmt(g.get('modeled_ms_per_round'), '.3f')} | {g['compile_seconds']:.1f} |"]
   m = result["modeled"]
   heads = " | ".join(f"S = {s}" for s in m["stages"])
   lines += [
@@ -73,12 +70,12 @@ def markdown(result: dict, table: costs_lib.CostTable) -> str:
       " not measured, or τ above 1 + S·γ.", "",
       f"| drafter | τ | source | {heads} |", "|---|---|---|" + "---|" * len(m["stages"])]
   for row in m["rows"]:
-    cells = " | ".join(_fmt(x, ".2f", "×") for x in row["speedup"])
+    cells = " | ".join(fmt(x, ".2f", "×") for x in row["speedup"])
     lines.append(f"| {row['kind']} | {row['tau']:.2f} | {row['source']} | {cells} |")
   lines += ["", "Break-even τ (speedup 1.0×):", "", f"| drafter | {heads} |",
             "|---|" + "---|" * len(m["stages"])]
   for kind, taus in m["break_even"].items():
-    lines.append(f"| {kind} | " + " | ".join(_fmt(x) for x in taus) + " |")
+    lines.append(f"| {kind} | " + " | ".join(fmt(x) for x in taus) + " |")
   return "\n".join(lines) + "\n"
 
 
