@@ -13,7 +13,7 @@
 #   DATA_DIR  the TFDS data directory (default: $DLOOP_DATA_DIR, else ~/.cache/dloop_jax/datasets)
 #   RUNS_DIR  where the runs go (default: runs/smollm2_10k)
 # Environment: SIZES ("1000 3000 all", the data-scaling curve; default "all"), KINDS (default
-# "eagle3 block"), PYTHON (default .venv/bin/python), TRAIN_ARGS: more flags for every
+# "eagle3 block"; also dspark, domino: configs/smollm2_<kind>.py), PYTHON (default .venv/bin/python), TRAIN_ARGS: more flags for every
 # `python -m train` (e.g. "--config.eval.every_steps=0"), and DATASET: a built dataset to train
 # on instead of building the 10k one (e.g. a `--snapshot` of a running build).
 set -euo pipefail

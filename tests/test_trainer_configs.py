@@ -29,7 +29,9 @@ def test_config_validates(name, monkeypatch):
     ("tiny_dspark.py", "tiny_dspark.py:loop"), ("tiny_domino.py", "tiny_domino.py:loop"),
     ("smollm2_eagle3.py", "smollm2_eagle3_loop.py"), ("smollm2_block.py", "smollm2_block_loop.py"),
     ("smollm2_eagle3.py:cpu10k", "smollm2_eagle3.py:cpu10k_loop"),
-    ("smollm2_block.py:cpu10k", "smollm2_block.py:cpu10k_loop")])
+    ("smollm2_block.py:cpu10k", "smollm2_block.py:cpu10k_loop"),
+    ("smollm2_dspark.py:cpu10k", "smollm2_dspark.py:cpu10k_loop"),
+    ("smollm2_domino.py:cpu10k", "smollm2_domino.py:cpu10k_loop")])
 def test_loop_recipe_keeps_the_drafter(name, loop_name, monkeypatch):
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)
   base = trainer_hooks.load_config_file(*name.split(":"))
@@ -43,6 +45,22 @@ def test_loop_recipe_keeps_the_drafter(name, loop_name, monkeypatch):
   assert loop.objective_cfg.base_objective == base.objective
   for key, value in base.objective_cfg.items():
     assert loop.objective_cfg[key] == value
+
+
+@pytest.mark.parametrize("kind", ["dspark", "domino"])
+def test_head_drafters_share_the_block_recipe(kind, monkeypatch):
+  """SmolLM2 DSpark / Domino compare with the block drafter: same data, rows, steps, backbone."""
+  monkeypatch.syspath_prepend(trainer_hooks.ROOT)
+  block = trainer_hooks.load_config_file("smollm2_block.py", "cpu10k")
+  heads = trainer_hooks.load_config_file(f"smollm2_{kind}.py", "cpu10k")
+  for section in ("data", "optim", "eval", "checkpoint", "target", "objective_cfg"):
+    assert heads[section].to_dict() == block[section].to_dict(), section
+  assert heads.num_steps == block.num_steps
+  for key, value in block.drafter.items():
+    if key != "kind":
+      assert heads.drafter[key] == value, key
+  with pytest.raises(ValueError, match="Unknown recipe"):
+    trainer_hooks.load_config_file(f"smollm2_{kind}.py", "cpu")
 
 
 def test_loop_aware_fine_tune_refuses_a_loop_aware_config():

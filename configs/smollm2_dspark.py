@@ -1,0 +1,39 @@
+"""DSpark drafter (block backbone + Markov and confidence heads) for SmolLM2-135M-Instruct.
+
+The block drafter's `cpu10k` recipe (configs/smollm2_block.py) with DSpark's
+heads, so that the two compare on the same data, rows, steps and learning rate:
+
+    python -m train --config configs/smollm2_dspark.py:cpu10k --workdir runs/dspark_all \
+        --config.data.path=<dataset dir>
+    python -m train --config configs/smollm2_dspark.py:cpu10k_loop --workdir runs/dspark_all_loop \
+        --config.data.path=<dataset dir> --config.init_from=runs/dspark_all/best
+
+(or `KINDS=dspark bash scripts/smollm2_drafters.sh DATA RUNS`). The head
+ablations are flags: `--config.drafter.markov_rank=0`,
+`--config.drafter.enable_confidence_head=False`. The dataset holds the
+target's greedy answers and no target distributions, so the L1 term and the
+confidence target use the one-hot of the answer token: under greedy
+verification that is the acceptance event itself.
+"""
+
+from ml_collections import ConfigDict
+
+from configs import _smollm2_10k
+from dloop_jax.training.config import base_config
+
+
+def get_config(recipe: str = "cpu10k") -> ConfigDict:
+  if recipe not in ("cpu10k", "cpu10k_loop"):
+    raise ValueError(f"Unknown recipe {recipe!r}; use 'cpu10k' or 'cpu10k_loop'.")
+  c = base_config()
+  c.target.model = "smollm2-135m-instruct"
+  c.target.dtype = "float32"
+  c.drafter = ConfigDict(dict(kind="dspark", block_size=4, num_layers=2, draft_vocab_size=0,
+                              mask_token_id=16, markov_rank=64, enable_confidence_head=True))
+  c.objective = "dspark"
+  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=64))
+  c.data.source = "path"
+  c.data.path = ""
+  c.optim.grad_clip_norm = 1.0
+  return _smollm2_10k.apply(c, learning_rate=1e-3, loop=recipe == "cpu10k_loop",
+                            loop_learning_rate=3e-4)
