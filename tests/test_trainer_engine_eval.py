@@ -113,3 +113,33 @@ def test_throughput_counts_example_tokens_apart_from_padding(run):
   for r in logged:
     # One padded example per 32-position row (prompts of 4..8 tokens, answers up to 24).
     assert 0 < r["example_tokens_per_s"] < r["tokens_per_s"], r
+
+
+def test_patience_stops_a_run_that_stopped_improving_and_it_stays_stopped(tmp_path):
+  """With a learning rate of 1e-12 τ never improves on the first evaluation: the run stops after
+  `patience` more evaluations, and resuming it trains no further."""
+  workdir = str(tmp_path)
+  c = _config(num_steps=40, export__enabled=False)
+  c.optim.learning_rate, c.eval.patience = 1e-12, 2
+  result = trainer_lib.train(c, workdir)
+  assert result.stopped_early and result.step == 6, result.step
+  assert sorted(_evaluations(workdir)) == [2, 4, 6]
+  assert drafter_io.read_info(os.path.join(workdir, trainer_lib.BEST_DIR))["extra"]["step"] == 2
+  again = trainer_lib.train(c, workdir)
+  assert again.stopped_early and again.step == 6 and again.resumed_from == 6
+  assert sorted(_evaluations(workdir)) == [2, 4, 6]
+  c.eval.patience = 0  # without patience the same run goes on
+  c.num_steps = 8
+  assert not trainer_lib.train(c, workdir).stopped_early
+  assert sorted(_evaluations(workdir)) == [2, 4, 6, 8]
+
+
+def test_patience_needs_a_metric():
+  c = _config()
+  c.eval.patience, c.eval.keep_best = 3, ""
+  with pytest.raises(ConfigError, match="eval.patience stops on the best eval.keep_best"):
+    config_lib.validate(c)
+  c = _config()
+  c.eval.patience = -1
+  with pytest.raises(ConfigError, match="eval.patience must be an int >= 0"):
+    config_lib.validate(c)

@@ -144,7 +144,8 @@ def main(argv: Sequence[str]) -> None:
   summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items())
                       if isinstance(v, float))
   where = f"; drafter exported to {result.export_dir}" if result.export_dir else ""
-  print(f"done: step {result.step}{where}. {summary}", file=sys.stderr)
+  early = " (stopped early: eval.patience)" if result.stopped_early else ""
+  print(f"done: step {result.step}{early}{where}. {summary}", file=sys.stderr)
 
 
 def run() -> None:

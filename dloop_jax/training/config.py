@@ -100,6 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
       gate=-0.5,  # dloop's gate
       data_dir="",  # "bench": where the ShareGPT held-out prompts are ("" = default)
       keep_best="engine_tau_sd",  # export the best step by this metric to <workdir>/best
+      # Early stopping: stop once this many evaluations in a row found no new
+      # best keep_best (0 = train num_steps). A resumed run counts from the
+      # best step's export, so a stopped run stays stopped.
+      patience=0,
   ))
   # "module:attribute" of a `TrainHooks` replacing how the target, drafter,
   # loss and data are built (custom drafters, tests).
@@ -200,6 +204,12 @@ def validate(config: Mapping[str, Any]) -> None:
     for key in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
       if not isinstance(e[key], int) or e[key] < 1:
         raise ConfigError(f"eval.{key} must be an int >= 1, got {e[key]!r}.")
+    if not isinstance(e["patience"], int) or isinstance(e["patience"], bool) or e["patience"] < 0:
+      raise ConfigError(f"eval.patience must be an int >= 0 (0 = no early stopping), got"
+                        f" {e['patience']!r}.")
+    if e["patience"] and not best:
+      raise ConfigError("eval.patience stops on the best eval.keep_best; set keep_best (e.g."
+                        " 'engine_tau_sd') or patience=0.")
   if "kind" not in c["drafter"]:
     raise ConfigError("drafter.kind is required (e.g. 'eagle3', 'block', 'dspark' or 'domino').")
   sharding_lib.normalize_rules(c["sharding"]["rules"])

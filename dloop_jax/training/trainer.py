@@ -625,39 +625,56 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 # ------------------------------------------------------- engine evaluation
+@dataclasses.dataclass
+class _Best:
+  """The best evaluation so far (`eval.keep_best`) and how many evaluations ago it was."""
+  score: float = -math.inf
+  step: int | None = None
+  evals_since: int = 0
+
+  def stop(self, patience: int) -> bool:
+    return bool(patience) and self.step is not None and self.evals_since >= patience
+
+
 def _engine_evaluation(c: ml_collections.ConfigDict, trainer: Trainer, workdir: str
-                       ) -> tuple[engine_eval_lib.EngineEval | None, float]:
+                       ) -> tuple[engine_eval_lib.EngineEval | None, _Best]:
   """The run's `EngineEval` (None when `eval.every_steps` is 0) and the best score so far."""
   if not c.eval.every_steps:
-    return None, -math.inf
+    return None, _Best()
   if jax.process_count() > 1:
     raise ConfigError("eval.every_steps runs the engine on one process; on a multi-process run"
                       " set it to 0 and evaluate the checkpoints' exports separately.")
   evaluator = engine_eval_lib.from_config(c.eval, target=trainer.target.model,
                                           tokenizer=trainer.target.tokenizer, seed=int(c.seed))
-  best = -math.inf
+  best = _Best()
   if c.eval.keep_best and os.path.exists(os.path.join(workdir, BEST_DIR, drafter_io.INFO_FILE)):
-    # A resumed run keeps the best of its earlier part.
+    # A resumed run keeps the best of its earlier part, and counts the
+    # evaluations after it (they ran every `every_steps` since its step).
     info = drafter_io.read_info(os.path.join(workdir, BEST_DIR))
-    best = float(info.get("metrics", {}).get(c.eval.keep_best, -math.inf))
+    best.score = float(info.get("metrics", {}).get(c.eval.keep_best, -math.inf))
+    best.step = int(info.get("extra", {}).get("step", trainer.step))
+    every = int(c.eval.every_steps)
+    best.evals_since = max(0, trainer.step // every - best.step // every)
   logging.info("Engine evaluation every %d steps: %d prompts, modes %s%s.", c.eval.every_steps,
                len(evaluator.prompts), list(evaluator.modes),
-               f", best {c.eval.keep_best} so far {best:.3f}" if best > -math.inf else "")
+               f", best {c.eval.keep_best} so far {best.score:.3f} (step {best.step})"
+               if best.step is not None else "")
   return evaluator, best
 
 
 def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: str,
-              c: ml_collections.ConfigDict, *, best: float, last: dict[str, Any],
-              writer: _MetricsWriter, bar: Any) -> float:
-  """Measures the drafter in the engine, logs it, exports it if it is the best; returns the best."""
+              c: ml_collections.ConfigDict, *, best: _Best, last: dict[str, Any],
+              writer: _MetricsWriter, bar: Any) -> None:
+  """Measures the drafter in the engine, logs it, exports it if it is the best (updates `best`)."""
   drafter = trainer.drafter_with(on_host=True)
   result = evaluator(trainer.target.model, drafter)
   writer.write(trainer.step, result)
   last.update(result)
   summary = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("engine_tau"))
   key = c.eval.keep_best
-  if key and result[key] > best:
-    best = result[key]
+  best.evals_since += 1
+  if key and result[key] > best.score:
+    best.score, best.step, best.evals_since = result[key], trainer.step, 0
     drafter_io.export_drafter(drafter, os.path.join(workdir, BEST_DIR),
                               target_name=trainer.target.name, metrics=dict(last),
                               extra={"step": trainer.step, "objective": c.objective,
@@ -668,7 +685,6 @@ def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: 
     bar.write(message)
   else:
     logging.info(message)
-  return best
 
 
 # --------------------------------------------------------------------- run
@@ -681,6 +697,7 @@ class TrainResult:
   init_from: str | None
   compile_s: float
   train_s: float
+  stopped_early: bool = False  # eval.patience ended the run before num_steps
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks | None = None,
@@ -765,8 +782,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
                       model_state=trainer.model_state, data_state=iterator.get_state(),
                       meta=dict(meta, metrics=last))
 
+  patience = int(c.eval.patience) if evaluator is not None else 0
+  stopped_early = False
   try:
     while trainer.step < num_steps:
+      if best.stop(patience):
+        stopped_early = True
+        message = (f"Early stop at step {trainer.step}: {best.evals_since} evaluations without a"
+                   f" better {c.eval.keep_best} than {best.score:.3f} (step {best.step},"
+                   f" exported to {os.path.join(workdir, BEST_DIR)}); eval.patience={patience}.")
+        if bar is not None:
+          bar.write(message)
+        logging.info(message)
+        if checkpointer.latest_step() != trainer.step:
+          save()
+        break
       try:
         batch = next(iterator)
       except StopIteration:
@@ -806,8 +836,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
       if evaluator is not None and (trainer.step % int(c.eval.every_steps) == 0
                                     or trainer.step == num_steps):
         eval_start = time.perf_counter()
-        best = _evaluate(evaluator, trainer, workdir, c, best=best, last=last, writer=writer,
-                         bar=bar)
+        _evaluate(evaluator, trainer, workdir, c, best=best, last=last, writer=writer, bar=bar)
         window_start += time.perf_counter() - eval_start  # not training time
       if bar is not None:
         bar.update(1)
@@ -829,4 +858,4 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
     checkpointer.close()
   return TrainResult(step=trainer.step, metrics=last, export_dir=export_dir,
                      resumed_from=resumed_from, init_from=init_source, compile_s=compile_s,
-                     train_s=train_s)
+                     train_s=train_s, stopped_early=stopped_early)
