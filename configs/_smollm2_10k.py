@@ -1,4 +1,4 @@
-"""The settings both SmolLM2 drafters' `cpu10k` recipes share (configs/smollm2_*.py).
+"""The settings the SmolLM2 drafters' `cpu10k` recipes share (configs/smollm2_*.py).
 
 The 10k-prompt dataset (configs/data_smollm2.py:10k) on a 2-core CPU, in runs
 of a few hours that resume (scripts/smollm2_drafters.sh): packed 1,024-token
@@ -12,7 +12,7 @@ evaluated every 100.
 
 from ml_collections import ConfigDict
 
-from dloop_jax.training.config import loop_aware_fine_tune
+from dloop_jax.training.config import base_config, loop_aware_fine_tune
 
 
 def apply(c: ConfigDict, *, learning_rate: float, loop: bool,
@@ -34,3 +34,20 @@ def apply(c: ConfigDict, *, learning_rate: float, loop: bool,
     c.eval.every_steps = 100
     c.eval.patience = 0
   return c
+
+
+def head_drafter(recipe: str, *, kind: str, **heads) -> ConfigDict:
+  """The block drafter's `cpu10k` recipe with the heads of `kind` ("dspark", "domino")."""
+  if recipe not in ("cpu10k", "cpu10k_loop"):
+    raise ValueError(f"Unknown recipe {recipe!r}; use 'cpu10k' or 'cpu10k_loop'.")
+  c = base_config()
+  c.target.model = "smollm2-135m-instruct"
+  c.target.dtype = "float32"
+  c.drafter = ConfigDict(dict(kind=kind, block_size=4, num_layers=2, draft_vocab_size=0,
+                              mask_token_id=16, **heads))
+  c.objective = kind
+  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=64))
+  c.data.source = "path"
+  c.data.path = ""
+  c.optim.grad_clip_norm = 1.0
+  return apply(c, learning_rate=1e-3, loop=recipe == "cpu10k_loop", loop_learning_rate=3e-4)
