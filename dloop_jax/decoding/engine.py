@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,6 +49,7 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
+from dloop_jax.decoding import arguments
 from dloop_jax.decoding import costs as costs_lib
 from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
@@ -68,7 +68,7 @@ from dloop_jax.models.transformer import Transformer
 if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
   from dloop_jax.drafters.base import Drafter
 
-MODES = ("ar", "sd", "dloop")
+MODES = arguments.MODES
 # Longest drafting pause (rounds) by default with schedule="cost".
 DEFAULT_DRAFT_BACKOFF = 8
 
@@ -483,64 +483,6 @@ def _bucket(n: int, *, minimum: int = 16) -> int:
   return power * 3 // 4 if power * 3 // 4 >= n and power >= 4 else power
 
 
-def _is_int(value) -> bool:
-  """An int or a numpy integer; not a bool."""
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
-              schedule, draft_backoff, tree_budget, confidence="auto") -> None:
-  if mode not in MODES:
-    raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
-  if not _is_int(tree_budget) or tree_budget < 0:
-    raise ConfigError(f"tree_budget must be an int >= 0 (0 = chains), got {tree_budget!r}.")
-  if tree_budget and mode == "ar":
-    raise ConfigError("tree_budget > 0 needs mode 'sd' or 'dloop' (and a drafter).")
-  if schedule not in schedule_lib.SCHEDULES:
-    raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}.")
-  if confidence not in schedule_lib.CONFIDENCES:
-    raise ConfigError(f"confidence must be one of {schedule_lib.CONFIDENCES}, got"
-                      f" {confidence!r}.")
-  if draft_backoff is not None and (not _is_int(draft_backoff) or draft_backoff < 0):
-    raise ConfigError(f"draft_backoff must be None or an int >= 0 (rounds), got {draft_backoff!r}.")
-  if not _is_int(max_new_tokens) or max_new_tokens < 1:
-    raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
-  if mode == "ar":
-    return
-  if drafter is None:
-    raise ConfigError(f"mode {mode!r} needs a drafter (pass drafter=...), or use mode='ar'.")
-  if not _is_int(block_size) or block_size < 1:
-    raise ConfigError(f"block_size (gamma) must be an int >= 1, got {block_size!r}.")
-  limit = drafter.max_block_size()
-  if limit is not None and block_size > limit:
-    raise ConfigError(f"block_size {block_size} exceeds what drafter {drafter.name!r} can draft"
-                      f" in one stage ({limit}).")
-  if not _is_int(max_stages) or max_stages < 1:
-    raise ConfigError(f"max_stages (S_max) must be an int >= 1, got {max_stages!r}.")
-  if (isinstance(gate, bool) or not isinstance(gate, (numbers.Real, np.floating, np.integer))
-      or math.isnan(float(gate))):
-    raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
-  drafter.check_target(target.config)
-  if confidence == "drafter" and not drafter.has_confidence:
-    raise ConfigError(f"confidence='drafter' needs a drafter with a learned confidence (DSpark's"
-                      f" confidence head); drafter {drafter.name!r} has none: use"
-                      " confidence='probability' (or 'auto').")
-  _validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
-
-
-def _validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
-  if tree_budget == 0:
-    return
-  if not drafter.supports_trees:
-    raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
-                      f" {drafter.name!r} ({drafter.kind}) does not yet (use the block,"
-                      " EAGLE-3 or Domino drafter, or tree_budget=0).")
-  if mode == "dloop" and tree_budget < block_size:
-    raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
-                      f" stage's best path of {block_size} nodes, so tree_budget must be at least"
-                      f" block_size ({block_size}); got {tree_budget}.")
-
-
 def _prepare(
     target: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -568,8 +510,8 @@ def _prepare(
   if mode == "sd":
     max_stages = 1
   if schedule is None:
-    schedule = "off" if (_is_int(tree_budget) and tree_budget > 0) else "cost"
-  _validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
+    schedule = "off" if (arguments.is_int(tree_budget) and tree_budget > 0) else "cost"
+  arguments.validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
             max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
             schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget,
             confidence=confidence)
