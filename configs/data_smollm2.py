@@ -18,9 +18,15 @@ also takes the first user message of continuation parts (conversations split
 by ShareGPT, whose later parts start with an assistant turn).
 """
 
+import os
+
 from ml_collections import ConfigDict
 
 from dloop_jax.models.config import default_taps
+
+
+REPO_RESPONSES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "data", "responses")
 
 
 def get_config(recipe: str = "") -> ConfigDict:
@@ -29,6 +35,9 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.datasets = ["sharegpt", "target_responses"]
   c.keep_work_dir = False  # keep the resumable chunks after a finished build
   c.progress = True
+  # Where the target's answers (token ids only) are kept, and read back instead of
+  # answering again ("" = nowhere): see dloop_jax/data/response_store.py.
+  c.responses_dir = ""
   c.sharegpt = ConfigDict(dict(
       heldout_fraction=0.02,
       max_prompt_chars=8192,
@@ -68,6 +77,9 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.target_responses.max_prompt_tokens = 512
     c.target_responses.skip_continuations = False
     c.target_responses.batch_size = 64  # contexts of <= 768 positions
+    # The answers ship with the repository (data/responses): a fresh machine
+    # computes the features from them in one forward pass instead of decoding.
+    c.responses_dir = REPO_RESPONSES
   elif recipe:
     raise ValueError(f"Unknown recipe {recipe!r}; use '', 'small' or '10k'.")
   return c

@@ -20,6 +20,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.datasets = ["target_responses"]
   c.keep_work_dir = False
   c.progress = True
+  c.responses_dir = ""  # where answers are kept without features (see data_smollm2.py)
   c.sharegpt = ConfigDict(dict(heldout_fraction=0.02, max_prompt_chars=8192, max_conversations=0))
   c.target_responses = ConfigDict(dict(
       name="",

@@ -48,6 +48,30 @@ def test_cli_builds_both_datasets(tmp_path):
                                  target_name="tiny(seed=1,init_std=0.3)")
 
 
+def test_cli_answers_only_then_features_from_the_stored_answers(tmp_path):
+  base = [sys.executable, "-m", "train.data", "--config", "configs/data_tiny.py",
+          "--data_dir", str(tmp_path / "data"), "--config.target_responses.num_prompts=8",
+          "--config.target_responses.max_new_tokens=8", "--config.progress=False",
+          f"--config.responses_dir={tmp_path / 'answers'}", "--only", "target_responses"]
+
+  def run(*extra):
+    proc = subprocess.run(base + list(extra), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    start = 0 if out.startswith("{\n") else out.index("\n{\n") + 1
+    return json.loads(out[start:out.rindex("\n}") + 2]), out
+
+  answered, out = run("--answers_only")
+  assert answered["target_responses"]["chunks_generated"] == 1
+  assert "--config.data.path=" not in out  # no dataset yet
+  assert not os.path.exists(tmp_path / "data" / "target_responses")
+  built, out = run()
+  tr = built["target_responses"]
+  assert tr["chunks_from_stored_answers"] == 1 and tr["chunks_generated"] == 0
+  assert tr["examples"] == 8 and "--config.data.path=" in out
+
+
 def test_bad_config_value_is_reported(tmp_path):
   cmd = [sys.executable, "-m", "train.data", "--config", "configs/data_tiny.py",
          "--data_dir", str(tmp_path), "--config.target_responses.prompt_source=web"]

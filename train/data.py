@@ -39,6 +39,10 @@ _SNAPSHOT = flags.DEFINE_bool(
     "target_responses: write a dataset of the chunks finished so far (by a running or killed"
     " build of the same config) under the config name + '_snapshot', generating nothing; the"
     " full build stays resumable.")
+_ANSWERS_ONLY = flags.DEFINE_bool(
+    "answers_only", False,
+    "target_responses: answer the prompts into the config's responses_dir (token ids only,"
+    " resumable) and write no dataset; a later build computes the features from them.")
 flags.mark_flags_as_required(["config"])
 
 DATASETS = ("sharegpt", "target_responses")
@@ -58,7 +62,7 @@ def _disk_bytes(dataset_dir: str) -> int:
 
 def build_from_config(config: Any, *, data_dir: str | None = None,
                       only: Sequence[str] | None = None, progress: bool = True,
-                      snapshot: bool = False) -> dict[str, Any]:
+                      snapshot: bool = False, answers_only: bool = False) -> dict[str, Any]:
   """Builds the datasets a data config names; returns a summary per dataset.
 
   Args:
@@ -67,6 +71,8 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
     only: subset of `config.datasets` to build.
     progress: progress lines on stderr.
     snapshot: target_responses from the chunks finished so far (see --snapshot).
+    answers_only: target_responses: answer the prompts into `config.responses_dir`
+      only (see --answers_only).
 
   Returns:
     `{"data_dir": ..., "<dataset>": {"dataset_dir": ..., ...}}`.
@@ -104,9 +110,14 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
       # The snapshot reads the full build's chunks, and never deletes them.
       work_dir = tr_lib.default_work_dir(data_dir, tr_config)
       tr_config, keep = tr_lib.snapshot_config(tr_config), True
+    responses_dir = os.path.expanduser(config.get("responses_dir", "") or "") or None
     builder = tr_lib.TargetResponses(data_dir=data_dir, config=tr_config,
                                      file_format=tfds_utils.FILE_FORMAT, progress=progress,
-                                     work_dir=work_dir, finished_chunks_only=snapshot)
+                                     work_dir=work_dir, finished_chunks_only=snapshot,
+                                     responses_dir=responses_dir)
+    if answers_only:
+      summary["target_responses"] = {"config": tr_config.name, **builder.answer_prompts()}
+      return summary
     builder.download_and_prepare(download_config=tfds_utils.no_network_download_config())
     if not keep and os.path.isdir(builder.work_dir):
       import shutil  # pylint: disable=g-import-not-at-top
@@ -130,6 +141,8 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
         "disk_bytes_per_1000_tokens": round(1000 * size / tokens) if tokens else None,
         "chunks_generated": builder.chunks_generated,
         "chunks_reused": builder.chunks_reused,
+        "chunks_from_stored_answers": builder.chunks_from_store,
+        "features_seconds": round(float(totals.get("features_seconds", 0.0)), 2),
         "taps": meta.get("taps"),
         "target_name": meta.get("target_name"),
     }
@@ -145,12 +158,12 @@ def main(argv: Sequence[str]) -> None:
   try:
     summary = build_from_config(_CONFIG.value, data_dir=_DATA_DIR.value, only=_ONLY.value,
                                 progress=bool(_CONFIG.value.progress),
-                                snapshot=_SNAPSHOT.value)
+                                snapshot=_SNAPSHOT.value, answers_only=_ANSWERS_ONLY.value)
   except DLoopError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(json.dumps(summary, indent=2))
-  if "target_responses" in summary:
+  if "target_responses" in summary and "dataset_dir" in summary["target_responses"]:
     print(f"\nTrain on it with: --config.data.source=path"
           f" --config.data.path={summary['target_responses']['dataset_dir']}")
 

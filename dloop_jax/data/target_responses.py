@@ -72,6 +72,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from dloop_jax.data import shard_writer
+from dloop_jax.data.response_store import ResponseStore, save_npz_atomic, store_name
 from dloop_jax.data import sharegpt as sharegpt_lib
 from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
 from dloop_jax.errors import ConfigError
@@ -268,8 +269,9 @@ class Progress:
   """Prompts done / total, generated tokens per second and ETA, to stderr."""
 
   def __init__(self, *, total: int, done: int, stream: TextIO | None = None,
-               every_seconds: float = 2.0, enabled: bool = True):
+               every_seconds: float = 2.0, enabled: bool = True, unit: str = "new tok/s"):
     self.total, self.done, self.start_done = total, done, done
+    self.unit = unit
     self.new_tokens = 0
     self.stream = stream if stream is not None else sys.stderr
     self.every = every_seconds
@@ -294,7 +296,7 @@ class Progress:
     else:
       eta = "0s" if self.done >= self.total else "?"
     pct = 100.0 * self.done / max(self.total, 1)
-    return (f"[{NAME}] {self.done}/{self.total} prompts ({pct:.0f}%) | {rate:,.1f} new tok/s"
+    return (f"[{NAME}] {self.done}/{self.total} prompts ({pct:.0f}%) | {rate:,.1f} {self.unit}"
             f" | elapsed {_duration(elapsed)} | ETA {eta}")
 
 
@@ -368,16 +370,6 @@ def select_sharegpt_prompts(
       continue
     out.append(Prompt(key=record.key, ids=tuple(int(t) for t in ids)))
   return out, counts
-
-
-def _save_chunk(path: str, arrays: dict[str, np.ndarray]) -> None:
-  """Writes an npz under a temporary name, then renames: never a partial file."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "wb") as f:
-    np.savez(f, **arrays)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
 
 
 def _load_chunk(path: str, *, expected_index: np.ndarray) -> dict[str, np.ndarray] | None:
@@ -459,7 +451,8 @@ class TargetResponses(LocalBuilder):
                on_chunk: Callable[..., None] | None = None,
                sharegpt_data_dir: str | None = None, finished_chunks_only: bool = False,
                max_shard_bytes: int = shard_writer.DEFAULT_MAX_SHARD_BYTES,
-               max_shard_examples: int | None = None, **kwargs):
+               max_shard_examples: int | None = None, responses_dir: str | None = None,
+               **kwargs):
     """Args beyond TFDS's (`data_dir`, `config`, `file_format`, ...).
 
     Args:
@@ -478,7 +471,12 @@ class TargetResponses(LocalBuilder):
         (see `snapshot_config`) so the full build stays resumable.
       max_shard_bytes / max_shard_examples: when an array_record shard is
         closed (see `shard_writer.write_split`); they do not change the data.
+      responses_dir: a root of response stores (`response_store`): a chunk
+        whose answers are stored there gets its features from one forward
+        pass over them instead of being answered again, and every chunk this
+        build answers is stored there too.
     """
+    self._responses_dir = responses_dir
     self._max_shard_bytes = max_shard_bytes
     self._max_shard_examples = max_shard_examples
     self._target_model = target_model
@@ -491,6 +489,8 @@ class TargetResponses(LocalBuilder):
     self._resolved = None
     self.chunks_generated = 0
     self.chunks_reused = 0
+    self.chunks_from_store = 0
+    self._store: ResponseStore | None = None
     super().__init__(**kwargs)
 
   # ------------------------------------------------------------- target
@@ -603,13 +603,11 @@ class TargetResponses(LocalBuilder):
     if not prompts:
       raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
                         " skip_continuations); nothing to generate.")
-    # Sorted by length: rows of a batch pad to similar widths, and the few
-    # prompt-width buckets compile once each.
-    prompts = sorted(prompts, key=lambda p: (len(p.ids), p.key))
+    prompts = _by_length(prompts)
     model, _, target_name = self.target()
     plan = {"config": c.spec(), "target_name": target_name, "taps": list(self.taps()),
-            "prompts": hashlib.sha256(json.dumps([[p.key, p.ids] for p in prompts]).encode())
-            .hexdigest()}
+            "prompts": _prompts_digest(prompts)}
+    self._store = self._open_store(prompts)
     os.makedirs(self.work_dir, exist_ok=True)
     plan_path = os.path.join(self.work_dir, "plan.json")
     if os.path.exists(plan_path):
@@ -664,7 +662,7 @@ class TargetResponses(LocalBuilder):
     progress = Progress(total=n, done=0, enabled=self._progress)
     totals = {"examples": 0, "tokens": 0, "response_tokens": 0, "generation_seconds": 0.0,
               "new_tokens": 0, "compile_seconds": 0.0,
-              "features_clipped": 0}
+              "features_clipped": 0, "features_seconds": 0.0}
     missing, chunks = [], []
     # Chunks hold prompts of similar length (sorted); visiting them in a
     # seeded random order keeps the tokens/s and ETA estimates unbiased.
@@ -675,7 +673,9 @@ class TargetResponses(LocalBuilder):
       index = np.arange(lo, hi, dtype=np.int64)
       arrays = _load_chunk(path, expected_index=index) if os.path.exists(path) else None
       reused = arrays is not None
-      if not reused and self._finished_chunks_only:
+      answers = (self._store.load(k, expected_index=index)
+                 if not reused and self._store is not None else None)
+      if not reused and answers is None and self._finished_chunks_only:
         missing.append(k)
         continue
       if reused:
@@ -683,9 +683,18 @@ class TargetResponses(LocalBuilder):
         progress.done += hi - lo
         progress.start_done += hi - lo
       else:
-        _save_chunk(path, self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress))
+        if answers is not None:
+          chunk = self._features_chunk(answers)
+          totals["features_seconds"] += float(chunk["features_seconds"])
+          self.chunks_from_store += 1
+          progress.update(prompts=hi - lo, new_tokens=0)
+        else:
+          chunk = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress)
+          if self._store is not None:
+            self._store.save(k, chunk)
+          self.chunks_generated += 1
+        save_npz_atomic(path, chunk)
         arrays = _load_chunk(path, expected_index=index)  # features memory-mapped
-        self.chunks_generated += 1
       totals["generation_seconds"] += float(arrays["seconds"])
       totals["compile_seconds"] += float(arrays["compile_seconds"])
       totals["new_tokens"] += int(arrays["new_tokens"])
@@ -710,13 +719,17 @@ class TargetResponses(LocalBuilder):
         raise ConfigError(f"No finished chunk in {self.work_dir}: nothing to snapshot yet.")
     if self._progress:
       print(f"[{NAME}] {totals['examples']} of {n} prompts ready ({self.chunks_reused} chunks"
-            f" reused, {self.chunks_generated} generated); writing the dataset.", file=sys.stderr,
+            f" reused, {self.chunks_from_store} from stored answers, {self.chunks_generated}"
+            " generated); writing the dataset.", file=sys.stderr,
             flush=True)
     return chunks
 
   def _generate_chunk(self, prompts: list[Prompt], *, lo: int, hi: int,
-                      progress: Progress) -> dict[str, np.ndarray]:
-    """Answers prompts [lo, hi) in batches; returns the chunk's flat arrays."""
+                      progress: Progress, capture: bool = True) -> dict[str, np.ndarray]:
+    """Answers prompts [lo, hi) in batches; returns the chunk's flat arrays.
+
+    With `capture=False` only the answers (`response_store.ANSWER_KEYS`).
+    """
     from dloop_jax.decoding import SamplingConfig, generate  # pylint: disable=g-import-not-at-top
     c: TargetResponsesConfig = self.builder_config
     model, _, _ = self.target()
@@ -735,38 +748,170 @@ class TargetResponses(LocalBuilder):
       ids = [list(p.ids) for p in batch] + [list(batch[-1].ids)] * (c.batch_size - real)
       out = generate(model, ids, max_new_tokens=c.max_new_tokens, sampling=sampling,
                      seed=batch_key(c.seed, start // c.batch_size), stop_tokens=stops,
-                     capture_taps=taps, grow_cache=True)
+                     capture_taps=taps if capture else (), grow_cache=True)
       seconds += out.seconds  # compiled execution only; compilation is counted apart
       compile_seconds += out.compile_seconds
       batch_new = 0
       for i in range(real):
         response = out.tokens[i]
         seq = np.asarray(list(batch[i].ids) + list(response), np.int32)
-        read = np.asarray(out.features[i], np.float32)
-        feats = np.zeros((len(seq),) + read.shape[1:], np.float16)
-        clipped += int(np.count_nonzero(np.abs(read) > F16_MAX))
-        feats[:len(seq) - 1] = np.clip(read, -F16_MAX, F16_MAX).astype(np.float16)
+        if capture:
+          feats, n_clipped = _stored_features(np.asarray(out.features[i], np.float32),
+                                              length=len(seq))
+          features.append(feats)
+          clipped += n_clipped
         tokens.append(seq)
-        features.append(feats)
         lengths.append(len(seq))
         prompt_lens.append(len(batch[i].ids))
         stopped.append(bool(response) and int(response[-1]) in stops)
         batch_new += len(response)
       new_tokens += batch_new
       progress.update(prompts=real, new_tokens=batch_new)
-    return {
+    arrays = {
         "index": np.arange(lo, hi, dtype=np.int64),
         "keys": np.asarray([p.key for p in prompts[lo:hi]], dtype=str),
         "tokens": np.concatenate(tokens),
-        "features": np.concatenate(features),
         "lengths": np.asarray(lengths, np.int64),
         "prompt_lens": np.asarray(prompt_lens, np.int64),
         "stopped": np.asarray(stopped, bool),
         "seconds": np.asarray(seconds),
         "compile_seconds": np.asarray(compile_seconds),
         "new_tokens": np.asarray(new_tokens),
-        "clipped": np.asarray(clipped),
     }
+    if capture:
+      arrays.update(features=np.concatenate(features), clipped=np.asarray(clipped))
+    return arrays
+
+  def _features_chunk(self, answers: dict[str, np.ndarray], *,
+                      rows: int = 8) -> dict[str, np.ndarray]:
+    """A chunk of stored answers with its features: one target forward per `rows` examples.
+
+    The examples are packed by length into forwards of `rows` rows, each padded
+    to a multiple of 128 positions (few compiled shapes); the taps of a
+    causal forward at position t depend on tokens[:t + 1] only, so padding
+    changes nothing, and the values equal the ones captured while decoding up
+    to floating-point summation order (tested).
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    model = self.target()[0]
+    taps = self.taps()
+    offsets = np.concatenate([[0], np.cumsum(answers["lengths"])])
+    n = len(answers["index"])
+    features: list[np.ndarray | None] = [None] * n
+    clipped = 0
+    t0 = time.perf_counter()
+    graph, state = nnx.split(model)
+    for group in np.array_split(np.argsort(answers["lengths"], kind="stable"),
+                                -(-n // rows)):
+      width = -(-int(answers["lengths"][group].max()) // 128) * 128
+      tokens = np.zeros((rows, width), np.int32)
+      for r, i in enumerate(group):
+        tokens[r, :answers["lengths"][i]] = answers["tokens"][offsets[i]:offsets[i + 1]]
+      tapped = np.asarray(jax.device_get(_taps_forward(graph, state, tokens, taps=taps)),
+                          np.float32)
+      for r, i in enumerate(group):
+        length = int(answers["lengths"][i])
+        features[i], n_clipped = _stored_features(tapped[r, :length - 1], length=length)
+        clipped += n_clipped
+    return dict(answers, features=np.concatenate(features), clipped=np.asarray(clipped),
+                features_seconds=np.asarray(time.perf_counter() - t0))
+
+  # ------------------------------------------------------- answers only
+  def _open_store(self, prompts: list[Prompt]) -> ResponseStore | None:
+    if not self._responses_dir:
+      return None
+    c: TargetResponsesConfig = self.builder_config
+    _, _, target_name = self.target()
+    from dloop_jax.data.response_store import answer_spec  # pylint: disable=g-import-not-at-top
+    plan = {"config": answer_spec(c.spec()), "target_name": target_name,
+            "prompts": _prompts_digest(prompts)}
+    return ResponseStore(self._responses_dir, name=store_name(target_slug=_slug(target_name),
+                                                             spec=c.spec()), plan=plan)
+
+  def answer_prompts(self) -> dict[str, Any]:
+    """Answers every prompt into the response store, computing no features.
+
+    The resumable first half of a build, for machines where the features
+    would not fit or not survive: rerun to resume; a later build with the same
+    `responses_dir` computes the features from the stored answers.
+
+    Returns:
+      {"store_dir", "chunks_total", "chunks_generated", "chunks_reused",
+       "prompts", "new_tokens", "generation_seconds", "new_tokens_per_second"}.
+    """
+    if not self._responses_dir:
+      raise ConfigError("Answering prompts alone needs a responses_dir to keep the answers in.")
+    c: TargetResponsesConfig = self.builder_config
+    prompts, _ = self._prompts()
+    if not prompts:
+      raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
+                        " skip_continuations); nothing to generate.")
+    prompts = _by_length(prompts)
+    store = self._open_store(prompts)
+    n = len(prompts)
+    num_chunks = -(-n // c.chunk_size)
+    progress = Progress(total=n, done=0, enabled=self._progress)
+    summary = {"store_dir": store.dir, "chunks_total": num_chunks, "chunks_generated": 0,
+               "chunks_reused": 0, "prompts": n, "new_tokens": 0, "generation_seconds": 0.0}
+    for k in np.random.default_rng(c.seed).permutation(num_chunks).tolist():
+      lo, hi = k * c.chunk_size, min(n, (k + 1) * c.chunk_size)
+      answers = store.load(k, expected_index=np.arange(lo, hi, dtype=np.int64))
+      if answers is None:
+        answers = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress, capture=False)
+        store.save(k, answers)
+        summary["chunks_generated"] += 1
+      else:
+        summary["chunks_reused"] += 1
+        progress.done += hi - lo
+        progress.start_done += hi - lo
+      summary["new_tokens"] += int(answers["new_tokens"])
+      summary["generation_seconds"] += float(answers["seconds"])
+    seconds = summary["generation_seconds"]
+    summary["new_tokens_per_second"] = summary["new_tokens"] / seconds if seconds else 0.0
+    return summary
+
+
+def _stored_features(read: np.ndarray, *, length: int) -> tuple[np.ndarray, int]:
+  """[length - 1, n_taps, D] taps -> the stored [length, n_taps, D] float16, and clipped count."""
+  feats = np.zeros((length,) + read.shape[1:], np.float16)
+  feats[:length - 1] = np.clip(read, -F16_MAX, F16_MAX).astype(np.float16)
+  return feats, int(np.count_nonzero(np.abs(read) > F16_MAX))
+
+
+def _taps_forward_impl(graph, state, tokens, *, taps):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  model = nnx.merge(graph, state)
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+  cache = model.init_cache(batch_size=b, capacity=t)
+  # One logit position: the unembedding is not what we came for.
+  out = model(tokens, positions=positions, cache=cache, taps=taps,
+              logit_positions=jnp.zeros((b, 1), jnp.int32))
+  return out.taps
+
+
+def _taps_forward(graph, state, tokens, *, taps):
+  """[B, T] tokens -> [B, T, n_taps, D] taps of one causal forward (jitted per shape)."""
+  global _TAPS_FORWARD_JIT
+  if _TAPS_FORWARD_JIT is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    _TAPS_FORWARD_JIT = jax.jit(_taps_forward_impl, static_argnums=0, static_argnames="taps")
+  return _TAPS_FORWARD_JIT(graph, state, tokens, taps=tuple(taps))
+
+
+_TAPS_FORWARD_JIT = None
+
+
+def _prompts_digest(prompts: Sequence[Prompt]) -> str:
+  return hashlib.sha256(json.dumps([[p.key, p.ids] for p in prompts]).encode()).hexdigest()
+
+
+def _by_length(prompts: Sequence[Prompt]) -> list[Prompt]:
+  """Sorted by length: rows of a batch pad to similar widths, and the few
+  prompt-width buckets compile once each."""
+  return sorted(prompts, key=lambda p: (len(p.ids), p.key))
 
 
 def _text(value: Any) -> str:

@@ -1,0 +1,110 @@
+"""Response stores: answers kept without features, and builds that compute the features from them."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from dloop_jax.data import pipeline
+from dloop_jax.data import response_store
+from dloop_jax.data import target_responses as tr
+from dloop_jax.errors import ConfigError
+
+tfds.disable_progress_bar()
+
+# Sampled answers: the seeds of the batches must carry over to the store.
+BUILD = dict(target="tiny", target_seed=1, prompt_source="random", num_prompts=20,
+             max_new_tokens=24, temperature=1.0, seed=5, batch_size=4, chunk_size=8)
+
+
+def _builder(data_dir, *, store=None, **overrides):
+  config = tr.make_config(**{**BUILD, **overrides})
+  return tr.TargetResponses(data_dir=str(data_dir), config=config, file_format="array_record",
+                            progress=False, responses_dir=None if store is None else str(store))
+
+
+def _examples(builder):
+  builder.download_and_prepare(download_config=tr.no_network_download_config())
+  source = pipeline.data_source(builder.data_dir)
+  return sorted((source[i] for i in range(len(source))), key=lambda e: int(e["index"]))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+  root = tmp_path_factory.mktemp("store")
+  store = root / "answers"
+  answered = _builder(root / "unused", store=store).answer_prompts()
+  from_store = _builder(root / "from_store", store=store)
+  captured = _builder(root / "captured")
+  return answered, from_store, _examples(from_store), _examples(captured), store
+
+
+def test_answers_only_writes_token_chunks_and_no_features(builds):
+  answered, _, _, _, store = builds
+  assert answered["chunks_total"] == 3 and answered["chunks_generated"] == 3
+  assert answered["prompts"] == 20 and answered["new_tokens"] == 20 * 24
+  chunks = sorted(n for n in os.listdir(answered["store_dir"]) if n.endswith(".npz"))
+  assert chunks == ["chunk_00000.npz", "chunk_00001.npz", "chunk_00002.npz"]
+  with np.load(os.path.join(answered["store_dir"], chunks[0])) as z:
+    assert set(z.files) == set(response_store.ANSWER_KEYS)
+  assert os.path.dirname(answered["store_dir"]) == str(store)
+
+
+def test_features_from_stored_answers_equal_the_captured_build(builds):
+  _, from_store, stored, captured, _ = builds
+  assert from_store.chunks_from_store == 3 and from_store.chunks_generated == 0
+  assert len(stored) == len(captured) == 20
+  for a, b in zip(stored, captured):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["loss_mask"], b["loss_mask"])
+    n = len(a["tokens"])
+    # The same numbers up to summation order, stored in float16.
+    np.testing.assert_allclose(a["features"][:n - 1].astype(np.float32),
+                               b["features"][:n - 1].astype(np.float32), rtol=4e-3, atol=4e-3)
+    assert not a["features"][n - 1].any()
+  meta = from_store.info.metadata["totals"]
+  assert meta["features_seconds"] > 0 and meta["new_tokens"] == 20 * 24
+
+
+def test_answers_only_resumes_and_a_full_build_fills_the_store(tmp_path):
+  store = tmp_path / "answers"
+  first = _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()
+  assert first["chunks_generated"] == 1
+  again = _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()
+  assert again["chunks_generated"] == 0 and again["chunks_reused"] == 1
+  # A build that answers (no store entry for its settings yet) stores its answers too.
+  builder = _builder(tmp_path / "b", store=store, num_prompts=12)
+  _examples(builder)
+  assert builder.chunks_generated == 2
+  stores = [os.path.join(store, n) for n in os.listdir(store)]
+  assert len(stores) == 2  # 8 and 12 prompts: two plans, two stores
+  assert sorted(len([n for n in os.listdir(d) if n.endswith(".npz")]) for d in stores) == [1, 2]
+
+
+def test_other_taps_reuse_the_answers(tmp_path):
+  store = tmp_path / "answers"
+  _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()
+  builder = _builder(tmp_path / "b", store=store, num_prompts=8, taps=(0,))
+  examples = _examples(builder)
+  assert builder.chunks_from_store == 1 and builder.chunks_generated == 0
+  assert examples[0]["features"].shape[1] == 1
+
+
+def test_a_store_of_another_plan_is_refused(tmp_path):
+  store = tmp_path / "answers"
+  answered = _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()
+  plan = os.path.join(answered["store_dir"], "plan.json")
+  with open(plan) as f:
+    text = f.read()
+  with open(plan, "w") as f:
+    f.write(text.replace('"prompts": "', '"prompts": "0'))
+  with pytest.raises(ConfigError, match="holds answers of a different build"):
+    _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()
+
+
+def test_answers_only_needs_a_store(tmp_path):
+  with pytest.raises(ConfigError, match="needs a responses_dir"):
+    _builder(tmp_path).answer_prompts()
