@@ -108,3 +108,21 @@ def test_a_store_of_another_plan_is_refused(tmp_path):
 def test_answers_only_needs_a_store(tmp_path):
   with pytest.raises(ConfigError, match="needs a responses_dir"):
     _builder(tmp_path).answer_prompts()
+
+
+def test_taps_only_forward_equals_the_full_forward():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.config import tiny_target  # pylint: disable=g-import-not-at-top
+  model = tiny_target(seed=1)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 12)),
+                       jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(12)[None], (2, 12))
+  for taps in ((0,), (0, 1), (1, 0)):
+    kw = dict(positions=positions, cache=model.init_cache(batch_size=2, capacity=12), taps=taps)
+    full = model(tokens, **kw)
+    only = model(tokens, taps_only=True, **kw)
+    np.testing.assert_array_equal(np.asarray(only.taps), np.asarray(full.taps))
+    assert only.logits.shape[1] == 0 and len(only.new_kv) == max(taps) + 1
+  with pytest.raises(ValueError, match="taps_only needs taps"):
+    model(tokens, taps_only=True, positions=positions,
+          cache=model.init_cache(batch_size=2, capacity=12))

@@ -790,7 +790,8 @@ class TargetResponses(LocalBuilder):
     to a multiple of 128 positions (few compiled shapes); the taps of a
     causal forward at position t depend on tokens[:t + 1] only, so padding
     changes nothing, and the values equal the ones captured while decoding up
-    to floating-point summation order (tested).
+    to floating-point summation order (tested). The forward stops at the last
+    tapped layer and computes no logits.
     """
     import jax  # pylint: disable=g-import-not-at-top
     from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -886,10 +887,7 @@ def _taps_forward_impl(graph, state, tokens, *, taps):
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
   cache = model.init_cache(batch_size=b, capacity=t)
-  # One logit position: the unembedding is not what we came for.
-  out = model(tokens, positions=positions, cache=cache, taps=taps,
-              logit_positions=jnp.zeros((b, 1), jnp.int32))
-  return out.taps
+  return model(tokens, positions=positions, cache=cache, taps=taps, taps_only=True).taps
 
 
 def _taps_forward(graph, state, tokens, *, taps):

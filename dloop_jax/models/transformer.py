@@ -547,6 +547,7 @@ class Transformer(nnx.Module):
       taps: Sequence[int] = (),
       logit_positions: jax.Array | None = None,
       write_cache: bool = True,
+      taps_only: bool = False,
   ) -> ForwardOutput:
     """Runs T new tokens per row against the cache.
 
@@ -563,6 +564,9 @@ class Transformer(nnx.Module):
         a `lax.switch` then only reads the cache, which XLA would otherwise
         copy whole for the branch. (Outside a switch, writing first is the
         copy-free order: the write must come before the reads.)
+      taps_only: stop after the last tapped layer (building drafter data):
+        only `taps` and `new_kv` of the layers run are computed; `logits` and
+        `hidden` are empty ([B, 0, ...]) and `cache` is returned as it came.
 
     Returns:
       A `ForwardOutput`.
@@ -581,8 +585,11 @@ class Transformer(nnx.Module):
     h = self.embed_tokens(tokens).astype(self.dtype)
     num_layers = len(self.layers)
     wanted = {i % num_layers for i in taps}
+    if taps_only and not wanted:
+      raise ValueError("taps_only needs taps.")
+    run = max(wanted) + 1 if taps_only else num_layers
     k_caches, v_caches, new_kv, layer_outputs = [], [], [], {}
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self.layers[:run]):
       h, k_cache, v_cache, k, v = layer(
           h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
           starts=starts, masks=masks, write_cache=write_cache, groups=self._groups)
@@ -595,6 +602,9 @@ class Transformer(nnx.Module):
       tapped = jnp.stack([layer_outputs[i % num_layers] for i in taps], axis=2)  # [B, T, n, D]
     else:
       tapped = jnp.zeros((b, t, 0, c.hidden_size), h.dtype)
+    if taps_only:
+      return ForwardOutput(logits=jnp.zeros((b, 0, c.vocab_size), jnp.float32), cache=cache,
+                           taps=tapped, hidden=h[:, :0], new_kv=tuple(new_kv))
     hidden = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
     if logit_positions is not None:
       selected = jnp.take_along_axis(hidden, logit_positions[..., None], axis=1)
