@@ -67,6 +67,9 @@ def get_config(recipe: str = "") -> ConfigDict:
       chunk_size=64,
       random_prompt_min_len=4,
       random_prompt_max_len=16,
+      # The target's k most likely next tokens and their probabilities at every
+      # position (DSpark's distillation targets); 0 = none.
+      target_topk=0,
   ))
   if recipe == "small":
     c.target_responses.num_prompts = 256

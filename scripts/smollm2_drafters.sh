@@ -3,7 +3,9 @@
 # resuming whatever was stopped (rerun the same command after any stop):
 #
 #   1. the dataset: `python -m train.data --config configs/data_smollm2.py:10k` (resumable chunks;
-#      a finished dataset is reused);
+#      a finished dataset is reused). The target's answers ship in data/responses, so a fresh
+#      machine computes only their features (one forward pass each) and answers only what the
+#      store lacks;
 #   2. for every data size in SIZES and every drafter kind in KINDS: the `cpu10k` run on the first
 #      SIZE examples, then its loop-aware fine-tune (`cpu10k_loop`); each resumes from its Orbax
 #      checkpoints, measures engine tau every few hundred steps and keeps its best step in

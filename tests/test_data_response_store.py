@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -126,3 +127,86 @@ def test_taps_only_forward_equals_the_full_forward():
   with pytest.raises(ValueError, match="taps_only needs taps"):
     model(tokens, taps_only=True, positions=positions,
           cache=model.init_cache(batch_size=2, capacity=12))
+
+
+def test_the_repository_holds_answers_of_the_10k_recipe():
+  """configs/data_smollm2.py:10k points at the answers shipped in data/responses."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from train import data as data_cli  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "_data_smollm2", os.path.join(root, "configs", "data_smollm2.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("10k")
+  assert config.responses_dir == os.path.join(root, "data", "responses")
+  tr_config = data_cli.target_responses_config(config)
+  name = response_store.store_name(target_slug="smollm2_135m_instruct", spec=tr_config.spec())
+  store_dir = os.path.join(config.responses_dir, name)
+  with open(os.path.join(store_dir, "plan.json")) as f:
+    plan = json.load(f)
+  assert plan["config"] == response_store.answer_spec(tr_config.spec())
+  assert plan["target_name"] == "smollm2-135m-instruct"
+  size = tr_config.chunk_size
+  chunks = sorted(n for n in os.listdir(store_dir) if n.endswith(".npz"))
+  assert chunks, "no stored answers"
+  for n in chunks:
+    k = int(n[len("chunk_"):-len(".npz")])
+    assert 0 <= k < -(-tr_config.num_prompts // size)
+    with np.load(os.path.join(store_dir, n)) as z:
+      lengths, prompt_lens, tokens = z["lengths"], z["prompt_lens"], z["tokens"]
+      assert z["index"].tolist() == list(range(k * size, k * size + len(lengths)))
+      assert tokens.shape == (lengths.sum(),) and tokens.min() >= 0 and tokens.max() < 49152
+      answer = lengths - prompt_lens
+      assert (answer >= 1).all() and (answer <= tr_config.max_new_tokens).all()
+      assert (prompt_lens <= tr_config.max_prompt_tokens).all()
+
+
+def test_target_topk_from_stored_answers_through_the_pipeline_to_dspark(builds, tmp_path):
+  """A `target_topk` build: the target's top-k next tokens, in batches, in DSpark's loss."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from dloop_jax.drafters import build_drafter  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.config import tiny_target  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import objectives  # pylint: disable=g-import-not-at-top
+  _, _, stored, _, store = builds
+  k = 6
+  builder = _builder(tmp_path / "topk", store=store, target_topk=k)
+  examples = _examples(builder)
+  assert builder.chunks_from_store == 3 and builder.chunks_generated == 0  # same answers
+  model = tiny_target(seed=1)
+  width = max(len(e["tokens"]) for e in examples)
+  tokens = np.zeros((len(examples), width), np.int32)
+  for i, e in enumerate(examples):
+    tokens[i, :len(e["tokens"])] = e["tokens"]
+  logits = model(jnp.asarray(tokens), positions=jnp.broadcast_to(jnp.arange(width), tokens.shape),
+                 cache=model.init_cache(batch_size=len(examples), capacity=width)).logits
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+  for i, (e, s) in enumerate(zip(examples, stored)):
+    n = len(e["tokens"])
+    np.testing.assert_array_equal(e["tokens"], s["tokens"])
+    ids, p = e["target_topk_ids"], e["target_topk_probs"].astype(np.float32)
+    assert ids.shape == p.shape == (n, k)
+    assert not ids[n - 1].any() and not p[n - 1].any()
+    np.testing.assert_allclose(p[:n - 1], np.take_along_axis(probs[i, :n - 1], ids[:n - 1], -1),
+                               rtol=2e-3, atol=1e-4)
+    assert (np.diff(p[:n - 1], axis=-1) <= 1e-3).all()  # descending
+    # The k kept are the k likeliest (up to float16 ties at the boundary).
+    kth = np.sort(probs[i, :n - 1], axis=-1)[:, -k]
+    assert (p[:n - 1].min(-1) >= kth - 2e-3).all()
+  # Both pipelines carry them; DSpark's objective uses them.
+  for pack in (False, True):
+    batch = next(pipeline.make_train_iterator(path=builder.data_dir, seq_len=48, batch_size=4,
+                                              seed=0, shard_index=0, shard_count=1, pack=pack))
+    assert batch["target_topk_ids"].shape == batch["target_topk_probs"].shape == (4, 48, k)
+    assert batch["target_topk_probs"].dtype == np.float16
+    np.testing.assert_array_equal(batch["target_topk_probs"][batch["segment_ids"] == 0], 0)
+  drafter = build_drafter({"kind": "dspark", "block_size": 3, "markov_rank": 8},
+                          target=model, rngs=nnx.Rngs(0))
+  key = jax.random.key(0)
+  with_topk, _ = objectives.loss_fn(drafter, batch, key, objective="dspark")
+  one_hot, _ = objectives.loss_fn(
+      drafter, {n: v for n, v in batch.items() if not n.startswith("target_topk")}, key,
+      objective="dspark")
+  assert np.isfinite(float(with_topk)) and float(with_topk) != float(one_hot)

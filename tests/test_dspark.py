@@ -162,6 +162,24 @@ def test_objective_terms(learnable):
   _, _, m = dspark_objective.stage_loss(drafter, h, labels=labels, prev=prev, valid=valid,
                                         weights=weights, target_probs=None, cfg=cfg)
   np.testing.assert_allclose(float(m["loss_l1"]), mean(2 * (1 - np.exp(-nll))), rtol=1e-5)
+  # The target's top-k (what `target_topk` datasets store): with k = V the same
+  # loss as the full distribution; with k < V the distribution renormalized on k.
+  probs_sorted, ids_sorted = jax.lax.top_k(p_t, 64)
+  topk_loss, _, topk_m = dspark_objective.stage_loss(
+      drafter, h, labels=labels, prev=prev, valid=valid, weights=weights, target_probs=None,
+      target_topk=(ids_sorted, probs_sorted), cfg=cfg)
+  np.testing.assert_allclose(float(topk_loss), float(loss), rtol=1e-5)
+  np.testing.assert_allclose(float(topk_m["loss_l1"]), mean(l1), rtol=1e-5)
+  k = 5
+  truncated = np.zeros(np.shape(p_t))
+  np.put_along_axis(truncated, np.asarray(ids_sorted[..., :k]), np.asarray(probs_sorted[..., :k]),
+                    -1)
+  truncated /= truncated.sum(-1, keepdims=True)
+  _, _, m5 = dspark_objective.stage_loss(
+      drafter, h, labels=labels, prev=prev, valid=valid, weights=weights, target_probs=None,
+      target_topk=(ids_sorted[..., :k], probs_sorted[..., :k]), cfg=cfg)
+  np.testing.assert_allclose(float(m5["loss_l1"]), mean(np.abs(np.exp(logp) - truncated).sum(-1)),
+                             rtol=1e-5)
   # Confidence head off: no BCE term, no confidence metrics.
   bare = build_drafter(dict(CONFIGS["dspark"], enable_confidence_head=False), target=target,
                        rngs=nnx.Rngs(1))

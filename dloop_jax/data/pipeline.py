@@ -41,6 +41,12 @@ Batch (B = batch_size rows of this process, T = seq_len):
     segment_ids  [B, T] int32                 1, 2, ... per packed example; 0 = padding
     positions    [B, T] int32                 position within its own example (0 at padding)
 
+and, from datasets built with `target_topk` = k (`TOPK_KEYS`):
+
+    target_topk_ids    [B, T, k] int32        the target's k likeliest next tokens after
+    target_topk_probs  [B, T, k] float16      reading tokens[t], and their probabilities
+                                              (0 at padding and at each example's last token)
+
 Examples longer than seq_len lose their tail (the loss mask with it). In
 packed rows a prediction never crosses examples: each example starts with its
 prompt, whose loss mask is 0; objectives that look further back must mask by
@@ -61,7 +67,10 @@ from dloop_jax.data import tfds_utils
 from dloop_jax.errors import ConfigError
 
 BATCH_KEYS = ("tokens", "loss_mask", "features", "segment_ids", "positions")
+TOPK_KEYS = tr_lib.TOPK_KEYS
 _SEQUENCE_KEYS = ("tokens", "loss_mask", "features")
+_DTYPES = {"tokens": np.int32, "loss_mask": np.int32, "features": np.float16,
+           "target_topk_ids": np.int32, "target_topk_probs": np.float16}
 
 # Re-exported: trainer configs call it to make tiny data on the fly.
 build_target_responses = tr_lib.build_target_responses
@@ -170,20 +179,20 @@ def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_li
 
 
 # --------------------------------------------------------------- transforms
+def _sequence_keys(example: Mapping[str, Any]) -> tuple[str, ...]:
+  return _SEQUENCE_KEYS + tuple(k for k in TOPK_KEYS if k in example)
+
+
 def _truncated(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
   n = min(len(example["tokens"]), seq_len)
-  return {
-      "tokens": np.asarray(example["tokens"][:n], np.int32),
-      "loss_mask": np.asarray(example["loss_mask"][:n], np.int32),
-      "features": np.asarray(example["features"][:n], np.float16),
-  }
+  return {key: np.asarray(example[key][:n], _DTYPES[key]) for key in _sequence_keys(example)}
 
 
 def _padded(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
   x = _truncated(example, seq_len)
   n = len(x["tokens"])
   out = {}
-  for key in _SEQUENCE_KEYS:
+  for key in _sequence_keys(x):
     value = x[key]
     out[key] = np.zeros((seq_len,) + value.shape[1:], value.dtype)
     out[key][:n] = value
@@ -193,13 +202,10 @@ def _padded(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
 
 
 def _from_packed(x: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {
-      "tokens": x["tokens"].astype(np.int32),
-      "loss_mask": x["loss_mask"].astype(np.int32),
-      "features": x["features"].astype(np.float16),
-      "segment_ids": x["tokens_segment_ids"].astype(np.int32),
-      "positions": x["tokens_positions"].astype(np.int32),
-  }
+  out = {key: x[key].astype(_DTYPES[key]) for key in _sequence_keys(x)}
+  out.update(segment_ids=x["tokens_segment_ids"].astype(np.int32),
+             positions=x["tokens_positions"].astype(np.int32))
+  return out
 
 
 # ----------------------------------------------------------------- pipeline
@@ -262,8 +268,9 @@ def make_dataset(
       raise ConfigError(f"The dataset has {len(ds)} examples, fewer than the {shard_count}"
                         " processes that share it.")
     ds = ds[:n][shard_index::shard_count].shuffle(seed=seed).repeat(num_epochs)
+    keys = _sequence_keys(src[0])
     ds = ds.map(lambda x: _truncated(x, seq_len)).to_iter_dataset()
-    lengths = {k: seq_len for k in _SEQUENCE_KEYS}
+    lengths = {k: seq_len for k in keys}
     ds = grain.experimental.FirstFitPackIterDataset(
         ds, length_struct=lengths, num_packing_bins=num_packing_bins or batch_size,
         seed=seed, shuffle_bins=True)

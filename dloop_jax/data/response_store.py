@@ -24,8 +24,8 @@ holds, for prompts `index` in [k * chunk_size, (k + 1) * chunk_size):
     stopped                [n] bool           the answer ended with a stop token
     seconds, compile_seconds, new_tokens      what answering the chunk cost
 
-The store's name hashes every setting but the taps: one set of answers serves
-builds that tap other layers.
+The store's name hashes every setting but the taps and `target_topk`: one set
+of answers serves builds that tap other layers or store target distributions.
 """
 
 from __future__ import annotations
@@ -57,9 +57,13 @@ def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray], *,
   os.replace(tmp, path)
 
 
+# Settings of a build that do not change its answers.
+NOT_ANSWER_SETTINGS = ("taps", "target_topk")
+
+
 def answer_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-  """The settings that decide the answers: all of a build's but the taps."""
-  return {k: v for k, v in spec.items() if k != "taps"}
+  """The settings that decide the answers: all of a build's but the taps and distributions."""
+  return {k: v for k, v in spec.items() if k not in NOT_ANSWER_SETTINGS}
 
 
 def store_name(*, target_slug: str, spec: Mapping[str, Any]) -> str:

@@ -27,6 +27,14 @@ Every example (L = prompt_len + response_len):
                                       example is predicted from it); values beyond
                                       +-65504 are clipped (counted in
                                       metadata["totals"]["features_clipped"])
+    target_topk_ids   [L, k] int32    with `target_topk` = k > 0: the target's k
+    target_topk_probs [L, k] f16      most likely next tokens after reading
+                                      tokens[t] and their probabilities
+                                      (softmax of the raw logits, temperature
+                                      1, descending); last position zeros.
+                                      Distillation targets (DSpark's L1 and
+                                      confidence terms); computed in the
+                                      forward over the finished answers
 
 Reproducibility: batch b (prompts `index` in [b * B, (b + 1) * B)) is
 generated with `seed=batch_key(seed, b)`; a last partial batch is filled up to
@@ -84,6 +92,7 @@ WORK_DIR_NAME = "target_responses_work"
 # Hidden states beyond float16's range (some models have "massive
 # activations" at a few positions) are clipped to it, and counted.
 F16_MAX = float(np.finfo(np.float16).max)
+TOPK_KEYS = ("target_topk_ids", "target_topk_probs")
 
 
 # ------------------------------------------------------------------ config
@@ -114,6 +123,9 @@ class TargetResponsesConfig(tfds.core.BuilderConfig):
     batch_size: rows per `generate()` call.
     chunk_size: prompts per resumable work chunk (a multiple of batch_size).
     random_prompt_min_len / random_prompt_max_len: random prompt lengths.
+    target_topk: also store the target's k most likely next tokens and their
+      probabilities at every position (0 = none). Needs the full forward over
+      each finished answer (answers are generated without capture).
     sharegpt_heldout_fraction / sharegpt_max_prompt_chars /
       sharegpt_max_conversations: the `sharegpt` config the prompts come from
       (max_conversations > 0 reads only the first N conversations; tests).
@@ -138,6 +150,7 @@ class TargetResponsesConfig(tfds.core.BuilderConfig):
   chunk_size: int = 64
   random_prompt_min_len: int = 4
   random_prompt_max_len: int = 16
+  target_topk: int = 0
   sharegpt_heldout_fraction: float = 0.02
   sharegpt_max_prompt_chars: int = 8192
   sharegpt_max_conversations: int = 0
@@ -154,10 +167,15 @@ class TargetResponsesConfig(tfds.core.BuilderConfig):
     for f in dataclasses.fields(self):
       if f.name not in base:
         value = getattr(self, f.name)
+        if f.name in _NEWER_FIELDS and value == f.default:
+          continue
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
+# Fields added after builds were named: left out of `spec()` (and so of the
+# derived name) at their default, so that those builds keep their names.
+_NEWER_FIELDS = ("target_topk",)
 _TFDS_FIELDS = frozenset(f.name for f in dataclasses.fields(tfds.core.BuilderConfig))
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TargetResponsesConfig)
                       if f.name not in _TFDS_FIELDS)
@@ -209,6 +227,8 @@ def _validate(c: TargetResponsesConfig) -> None:
     value = getattr(c, key)
     if not isinstance(value, int) or value < 1:
       raise ConfigError(f"target_responses {key} must be an int >= 1, got {value!r}.")
+  if not isinstance(c.target_topk, int) or c.target_topk < 0:
+    raise ConfigError(f"target_responses target_topk must be an int >= 0, got {c.target_topk!r}.")
   if c.chunk_size % c.batch_size:
     raise ConfigError(f"chunk_size ({c.chunk_size}) must be a multiple of batch_size"
                       f" ({c.batch_size}).")
@@ -431,6 +451,7 @@ def _chunk_example(arrays: dict[str, np.ndarray], offsets: np.ndarray, i: int) -
       "response_len": (b - a) - prompt_len,
       "stopped": bool(arrays["stopped"][i]),
       "features": np.asarray(arrays["features"][a:b]),
+      **{key: np.asarray(arrays[key][a:b]) for key in TOPK_KEYS if key in arrays},
   }
 
 
@@ -522,9 +543,22 @@ class TargetResponses(LocalBuilder):
                         f" (0..{config.num_layers - 1}).")
     return taps
 
+  def topk(self) -> int:
+    """k of the stored target distributions (0 = none), checked against the vocabulary."""
+    k = self.builder_config.target_topk
+    vocab = self.target()[0].config.vocab_size
+    if k > vocab:
+      raise ConfigError(f"target_topk={k} exceeds the target's vocabulary of {vocab} tokens.")
+    return k
+
   def _info(self) -> tfds.core.DatasetInfo:
     model = self.target()[0]
     n_taps, d = len(self.taps()), model.config.hidden_size
+    k = self.topk()
+    topk = ({"target_topk_ids": tfds.features.Tensor(shape=(None, k), dtype=np.int32),
+             "target_topk_probs": tfds.features.Tensor(shape=(None, k), dtype=np.float16,
+                                                       encoding=tfds.features.Encoding.BYTES)}
+            if k else {})
     return tfds.core.DatasetInfo(
         builder=self,
         description="Responses regenerated by the target, with its tapped hidden states.",
@@ -539,6 +573,7 @@ class TargetResponses(LocalBuilder):
             # Raw bytes: the proto float list would widen float16 to float32.
             "features": tfds.features.Tensor(shape=(None, n_taps, d), dtype=np.float16,
                                              encoding=tfds.features.Encoding.BYTES),
+            **topk,
         }),
         metadata=tfds.core.MetadataDict(),
     )
@@ -689,9 +724,15 @@ class TargetResponses(LocalBuilder):
           self.chunks_from_store += 1
           progress.update(prompts=hi - lo, new_tokens=0)
         else:
-          chunk = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress)
+          # Target distributions need the logits of every position: answer
+          # first, then one forward over the answers.
+          chunk = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress,
+                                       capture=not self.topk())
           if self._store is not None:
             self._store.save(k, chunk)
+          if self.topk():
+            chunk = self._features_chunk(chunk)
+            totals["features_seconds"] += float(chunk["features_seconds"])
           self.chunks_generated += 1
         save_npz_atomic(path, chunk)
         arrays = _load_chunk(path, expected_index=index)  # features memory-mapped
@@ -790,16 +831,19 @@ class TargetResponses(LocalBuilder):
     to a multiple of 128 positions (few compiled shapes); the taps of a
     causal forward at position t depend on tokens[:t + 1] only, so padding
     changes nothing, and the values equal the ones captured while decoding up
-    to floating-point summation order (tested). The forward stops at the last
-    tapped layer and computes no logits.
+    to floating-point summation order (tested). Without `target_topk` the
+    forward stops at the last tapped layer and computes no logits.
     """
     import jax  # pylint: disable=g-import-not-at-top
     from flax import nnx  # pylint: disable=g-import-not-at-top
     model = self.target()[0]
     taps = self.taps()
+    k = self.topk()
     offsets = np.concatenate([[0], np.cumsum(answers["lengths"])])
     n = len(answers["index"])
     features: list[np.ndarray | None] = [None] * n
+    topk_ids: list[np.ndarray | None] = [None] * n
+    topk_probs: list[np.ndarray | None] = [None] * n
     clipped = 0
     t0 = time.perf_counter()
     graph, state = nnx.split(model)
@@ -809,14 +853,23 @@ class TargetResponses(LocalBuilder):
       tokens = np.zeros((rows, width), np.int32)
       for r, i in enumerate(group):
         tokens[r, :answers["lengths"][i]] = answers["tokens"][offsets[i]:offsets[i + 1]]
-      tapped = np.asarray(jax.device_get(_taps_forward(graph, state, tokens, taps=taps)),
-                          np.float32)
+      out = jax.device_get(_taps_forward(graph, state, tokens, taps=taps, topk=k))
+      tapped = np.asarray(out["taps"], np.float32)
       for r, i in enumerate(group):
         length = int(answers["lengths"][i])
         features[i], n_clipped = _stored_features(tapped[r, :length - 1], length=length)
         clipped += n_clipped
-    return dict(answers, features=np.concatenate(features), clipped=np.asarray(clipped),
-                features_seconds=np.asarray(time.perf_counter() - t0))
+        if k:
+          topk_ids[i] = np.zeros((length, k), np.int32)
+          topk_ids[i][:length - 1] = out["topk_ids"][r, :length - 1]
+          topk_probs[i] = np.zeros((length, k), np.float16)
+          topk_probs[i][:length - 1] = out["topk_probs"][r, :length - 1]
+    arrays = dict(answers, features=np.concatenate(features), clipped=np.asarray(clipped),
+                  features_seconds=np.asarray(time.perf_counter() - t0))
+    if k:
+      arrays.update(target_topk_ids=np.concatenate(topk_ids),
+                    target_topk_probs=np.concatenate(topk_probs))
+    return arrays
 
   # ------------------------------------------------------- answers only
   def _open_store(self, prompts: list[Prompt]) -> ResponseStore | None:
@@ -880,23 +933,31 @@ def _stored_features(read: np.ndarray, *, length: int) -> tuple[np.ndarray, int]
   return feats, int(np.count_nonzero(np.abs(read) > F16_MAX))
 
 
-def _taps_forward_impl(graph, state, tokens, *, taps):
+def _taps_forward_impl(graph, state, tokens, *, taps, topk):
+  import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   model = nnx.merge(graph, state)
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
   cache = model.init_cache(batch_size=b, capacity=t)
-  return model(tokens, positions=positions, cache=cache, taps=taps, taps_only=True).taps
+  o = model(tokens, positions=positions, cache=cache, taps=taps, taps_only=not topk)
+  if not topk:
+    return {"taps": o.taps}
+  probs, ids = jax.lax.top_k(jax.nn.softmax(o.logits, axis=-1), topk)
+  return {"taps": o.taps, "topk_ids": ids.astype(jnp.int32),
+          "topk_probs": probs.astype(jnp.float16)}
 
 
-def _taps_forward(graph, state, tokens, *, taps):
-  """[B, T] tokens -> [B, T, n_taps, D] taps of one causal forward (jitted per shape)."""
+def _taps_forward(graph, state, tokens, *, taps, topk=0):
+  """[B, T] tokens -> {"taps": [B, T, n_taps, D]} of one causal forward (jitted per shape),
+  with "topk_ids" / "topk_probs" [B, T, topk] of the target's next-token distributions."""
   global _TAPS_FORWARD_JIT
   if _TAPS_FORWARD_JIT is None:
     import jax  # pylint: disable=g-import-not-at-top
-    _TAPS_FORWARD_JIT = jax.jit(_taps_forward_impl, static_argnums=0, static_argnames="taps")
-  return _TAPS_FORWARD_JIT(graph, state, tokens, taps=tuple(taps))
+    _TAPS_FORWARD_JIT = jax.jit(_taps_forward_impl, static_argnums=0,
+                                static_argnames=("taps", "topk"))
+  return _TAPS_FORWARD_JIT(graph, state, tokens, taps=tuple(taps), topk=int(topk))
 
 
 _TAPS_FORWARD_JIT = None

@@ -17,6 +17,10 @@ Batch (dict of arrays; B rows of T):
     target_logits [B, T, V]      optional (dspark): the target's logits after
                                  reading tokens[t]; without them the target's
                                  distribution is the one-hot of the next token
+    target_topk_ids   [B, T, k]  optional (dspark), what datasets built with
+    target_topk_probs [B, T, k]  `target_topk` hold: the target's k likeliest
+                                 next tokens and their probabilities (its
+                                 distribution renormalized over them)
 
 A prediction of tokens[p] counts when loss_mask[p] is 1 and p lies in the same
 segment as every position it is conditioned on; attention never crosses
@@ -120,6 +124,9 @@ def _batch(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
              segment_ids=segment_ids, positions=positions)
   if "target_logits" in batch:
     out["target_logits"] = jnp.asarray(batch["target_logits"]).astype(jnp.float32)
+  if "target_topk_ids" in batch and "target_topk_probs" in batch:
+    out["target_topk_ids"] = jnp.asarray(batch["target_topk_ids"]).astype(jnp.int32)
+    out["target_topk_probs"] = jnp.asarray(batch["target_topk_probs"]).astype(jnp.float32)
   return out
 
 
@@ -261,14 +268,18 @@ def _head_stage_stats(drafter, b, anchors, ok, h: jax.Array, *, stage: int, gamm
   y = _stage_targets(b, anchors, ok, stage=stage, gamma=gamma)
   common = dict(labels=y["labels"], prev=y["prev"], valid=y["valid"], weights=y["weights"])
   if isinstance(drafter, DSparkDrafter):
-    target_probs = None
+    target_probs = target_topk = None
+    # The target's distribution after reading tokens[p - 1] is that of tokens[p].
+    take = jax.vmap(lambda row, p: row[p])
     if "target_logits" in b:
-      # The target's logits after reading tokens[p - 1] are its distribution of tokens[p].
-      take = jax.vmap(lambda row, p: row[p])
       target_probs = jax.nn.softmax(take(b["target_logits"], y["pos"] - 1), axis=-1)
+    elif "target_topk_ids" in b:
+      target_topk = (take(b["target_topk_ids"], y["pos"] - 1),
+                     take(b["target_topk_probs"], y["pos"] - 1))
     weights = {k: float(_get(cfg, k, v)) for k, v in dspark_objective.DEFAULTS.items()}
     loss, correct, m = dspark_objective.stage_loss(drafter, h, target_probs=target_probs,
-                                                   cfg=weights, **common)
+                                                   target_topk=target_topk, cfg=weights,
+                                                   **common)
   else:
     lam = domino_objective.base_weight(progress, float(_get(cfg, "curriculum_fraction", 0.5)))
     loss, correct, m = domino_objective.stage_loss(drafter, h, lam=lam, **common)
