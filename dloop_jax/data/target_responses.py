@@ -80,7 +80,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from dloop_jax.data import shard_writer
-from dloop_jax.data.response_store import ResponseStore, save_npz_atomic, store_name
+from dloop_jax.data.response_store import ResponseStore, answer_spec, save_npz_atomic, store_name
 from dloop_jax.data import sharegpt as sharegpt_lib
 from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
 from dloop_jax.errors import ConfigError
@@ -877,7 +877,6 @@ class TargetResponses(LocalBuilder):
       return None
     c: TargetResponsesConfig = self.builder_config
     _, _, target_name = self.target()
-    from dloop_jax.data.response_store import answer_spec  # pylint: disable=g-import-not-at-top
     plan = {"config": answer_spec(c.spec()), "target_name": target_name,
             "prompts": _prompts_digest(prompts)}
     return ResponseStore(self._responses_dir, name=store_name(target_slug=_slug(target_name),
