@@ -61,6 +61,29 @@ def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray], *,
 NOT_ANSWER_SETTINGS = ("taps", "target_topk")
 
 
+def claim_directory(directory: str, plan: Mapping[str, Any], *, refusal: str) -> None:
+  """Makes `directory` the home of chunks of `plan` (its plan.json), or refuses.
+
+  A directory that already holds another plan raises `ConfigError(refusal)`;
+  temporary files a killed writer left are removed.
+  """
+  os.makedirs(directory, exist_ok=True)
+  plan = json.loads(json.dumps(dict(plan)))  # as it reads back: lists, not tuples
+  plan_path = os.path.join(directory, "plan.json")
+  if os.path.exists(plan_path):
+    with open(plan_path) as f:
+      if json.load(f) != plan:
+        raise ConfigError(refusal)
+  else:
+    with open(plan_path + ".tmp", "w") as f:
+      json.dump(plan, f, indent=1, sort_keys=True)
+      f.write("\n")
+    os.replace(plan_path + ".tmp", plan_path)
+  for name in os.listdir(directory):
+    if ".tmp-" in name:
+      os.remove(os.path.join(directory, name))  # left by a killed run
+
+
 def answer_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
   """The settings that decide the answers: all of a build's but the taps and distributions."""
   return {k: v for k, v in spec.items() if k not in NOT_ANSWER_SETTINGS}
@@ -87,24 +110,9 @@ class ResponseStore:
       ConfigError: the directory holds another plan's answers.
     """
     self.dir = os.path.join(os.fspath(root), name)
-    os.makedirs(self.dir, exist_ok=True)
-    plan = dict(plan)
-    plan_path = os.path.join(self.dir, "plan.json")
-    if os.path.exists(plan_path):
-      with open(plan_path) as f:
-        old = json.load(f)
-      if old != plan:
-        raise ConfigError(
-            f"The response store {self.dir} holds answers of a different build (other prompts,"
-            " target or settings). Delete it, or point responses_dir elsewhere.")
-    else:
-      with open(plan_path + ".tmp", "w") as f:
-        json.dump(plan, f, indent=1, sort_keys=True)
-        f.write("\n")
-      os.replace(plan_path + ".tmp", plan_path)
-    for name_ in os.listdir(self.dir):
-      if ".tmp-" in name_:
-        os.remove(os.path.join(self.dir, name_))  # left by a killed run
+    claim_directory(self.dir, plan, refusal=(
+        f"The response store {self.dir} holds answers of a different build (other prompts,"
+        " target or settings). Delete it, or point responses_dir elsewhere."))
 
   def path(self, k: int) -> str:
     return os.path.join(self.dir, f"chunk_{k:05d}.npz")

@@ -64,7 +64,6 @@ for other taps or another target.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
 import math
@@ -80,7 +79,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from dloop_jax.data import shard_writer
-from dloop_jax.data.response_store import ResponseStore, answer_spec, save_npz_atomic, store_name
+from dloop_jax.data.response_store import (ResponseStore, answer_spec, claim_directory,
+                                           save_npz_atomic, store_name)
 from dloop_jax.data import sharegpt as sharegpt_lib
 from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
 from dloop_jax.errors import ConfigError
@@ -626,6 +626,14 @@ class TargetResponses(LocalBuilder):
     counts["sharegpt_dropped"] = dict(sg.info.metadata.get("dropped", {}))
     return out, counts
 
+  def _sorted_prompts(self) -> tuple[list[Prompt], dict[str, int]]:
+    """The prompts in generation order (by length), and the filter counts."""
+    prompts, counts = self._prompts()
+    if not prompts:
+      raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
+                        " skip_continuations); nothing to generate.")
+    return _by_length(prompts), counts
+
   # ------------------------------------------------------------- splits
   @property
   def work_dir(self) -> str:
@@ -634,30 +642,14 @@ class TargetResponses(LocalBuilder):
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
     c: TargetResponsesConfig = self.builder_config
-    prompts, counts = self._prompts()
-    if not prompts:
-      raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
-                        " skip_continuations); nothing to generate.")
-    prompts = _by_length(prompts)
+    prompts, counts = self._sorted_prompts()
     model, _, target_name = self.target()
     plan = {"config": c.spec(), "target_name": target_name, "taps": list(self.taps()),
             "prompts": _prompts_digest(prompts)}
     self._store = self._open_store(prompts)
-    os.makedirs(self.work_dir, exist_ok=True)
-    plan_path = os.path.join(self.work_dir, "plan.json")
-    if os.path.exists(plan_path):
-      with open(plan_path) as f:
-        old = json.load(f)
-      if old != plan:
-        raise ConfigError(
-            f"The work directory {self.work_dir} holds chunks of a different build (other"
-            " prompts, target or settings). Delete it, or pass another work_dir.")
-    else:
-      with open(plan_path + ".tmp", "w") as f:
-        json.dump(plan, f)
-      os.replace(plan_path + ".tmp", plan_path)
-    for stale in glob.glob(os.path.join(self.work_dir, "*.tmp-*")):
-      os.remove(stale)  # left by a killed run
+    claim_directory(self.work_dir, plan, refusal=(
+        f"The work directory {self.work_dir} holds chunks of a different build (other"
+        " prompts, target or settings). Delete it, or pass another work_dir."))
     self.info.metadata.update({
         "target_name": target_name,
         "target_fingerprint": dict(model.config.fingerprint),
@@ -896,11 +888,7 @@ class TargetResponses(LocalBuilder):
     if not self._responses_dir:
       raise ConfigError("Answering prompts alone needs a responses_dir to keep the answers in.")
     c: TargetResponsesConfig = self.builder_config
-    prompts, _ = self._prompts()
-    if not prompts:
-      raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
-                        " skip_continuations); nothing to generate.")
-    prompts = _by_length(prompts)
+    prompts, _ = self._sorted_prompts()
     store = self._open_store(prompts)
     n = len(prompts)
     num_chunks = -(-n // c.chunk_size)
