@@ -10,10 +10,11 @@ heads, so that the two compare on the same data, rows, steps and learning rate:
 
 (or `KINDS=dspark bash scripts/smollm2_drafters.sh DATA RUNS`). The head
 ablations are flags: `--config.drafter.markov_rank=0`,
-`--config.drafter.enable_confidence_head=False`. The dataset holds the
-target's greedy answers and no target distributions, so the L1 term and the
-confidence target use the one-hot of the answer token: under greedy
-verification that is the acceptance event itself.
+`--config.drafter.enable_confidence_head=False`. On a dataset built with
+`--config.target_responses.target_topk=16` (what the script builds when KINDS
+holds dspark) the L1 term and the confidence target use the target's top-16
+distribution (docs/drafters.md); on one without, the one-hot of the answer
+token: under greedy verification that is the acceptance event itself.
 """
 
 from ml_collections import ConfigDict

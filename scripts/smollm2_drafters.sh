@@ -15,7 +15,9 @@
 #   DATA_DIR  the TFDS data directory (default: $DLOOP_DATA_DIR, else ~/.cache/dloop_jax/datasets)
 #   RUNS_DIR  where the runs go (default: runs/smollm2_10k)
 # Environment: SIZES ("1000 3000 all", the data-scaling curve; default "all"), KINDS (default
-# "eagle3 block"; also dspark, domino: configs/smollm2_<kind>.py), PYTHON (default .venv/bin/python), TRAIN_ARGS: more flags for every
+# "eagle3 block"; also dspark, domino: configs/smollm2_<kind>.py), TOPK (the target's top-k next
+# tokens stored in the dataset: default 16 when KINDS holds dspark, else 0), PYTHON (default
+# .venv/bin/python), TRAIN_ARGS: more flags for every
 # `python -m train` (e.g. "--config.eval.every_steps=0"), and DATASET: a built dataset to train
 # on instead of building the 10k one (e.g. a `--snapshot` of a running build).
 set -euo pipefail
@@ -28,10 +30,17 @@ SIZES=${SIZES:-all}
 KINDS=${KINDS:-eagle3 block}
 mkdir -p "$RUNS"
 
+# DSpark learns from the target's distributions: with it among the kinds, the one dataset all
+# kinds train on also stores the target's top-16 next tokens per position.
+if [[ -z "${TOPK:-}" ]]; then
+  TOPK=0
+  if [[ " $KINDS " == *" dspark "* ]]; then TOPK=16; fi
+fi
+
 if [[ -z "${DATASET:-}" ]]; then
-  echo "== dataset (configs/data_smollm2.py:10k) in $DATA_DIR"
+  echo "== dataset (configs/data_smollm2.py:10k, target_topk=$TOPK) in $DATA_DIR"
   "$PYTHON" -m train.data --config configs/data_smollm2.py:10k --data_dir "$DATA_DIR" \
-    | tee "$RUNS/data.log"
+    --config.target_responses.target_topk="$TOPK" | tee "$RUNS/data.log"
   DATASET=$(sed -n 's/.*--config\.data\.path=//p' "$RUNS/data.log" | tail -1)
   if [[ -z "$DATASET" ]]; then
     echo "error: the data build did not report its dataset directory (see $RUNS/data.log)" >&2
