@@ -295,6 +295,9 @@ def test_progress_line_has_rate_and_eta():
   p.update(prompts=4, new_tokens=100)
   line = stream.getvalue()
   assert "4/10 prompts" in line and "new tok/s" in line and "ETA" in line
+  assert "stored answers read" not in line
+  p.update(prompts=2, new_tokens=0, read_tokens=500)
+  assert "6/10 prompts" in stream.getvalue() and "tok/s of stored answers read" in stream.getvalue()
 
 
 def test_out_of_range_features_are_clipped_and_counted(tmp_path, monkeypatch):

@@ -289,19 +289,21 @@ class Progress:
   """Prompts done / total, generated tokens per second and ETA, to stderr."""
 
   def __init__(self, *, total: int, done: int, stream: TextIO | None = None,
-               every_seconds: float = 2.0, enabled: bool = True, unit: str = "new tok/s"):
+               every_seconds: float = 2.0, enabled: bool = True):
     self.total, self.done, self.start_done = total, done, done
-    self.unit = unit
     self.new_tokens = 0
+    self.read_tokens = 0  # tokens of stored answers read by a features forward
     self.stream = stream if stream is not None else sys.stderr
     self.every = every_seconds
     self.enabled = enabled
     self.t0 = time.perf_counter()
     self._last = -math.inf
 
-  def update(self, *, prompts: int, new_tokens: int, force: bool = False) -> None:
+  def update(self, *, prompts: int, new_tokens: int, read_tokens: int = 0,
+             force: bool = False) -> None:
     self.done += prompts
     self.new_tokens += new_tokens
+    self.read_tokens += read_tokens
     now = time.perf_counter()
     if self.enabled and (force or now - self._last >= self.every or self.done == self.total):
       self._last = now
@@ -316,8 +318,10 @@ class Progress:
     else:
       eta = "0s" if self.done >= self.total else "?"
     pct = 100.0 * self.done / max(self.total, 1)
-    return (f"[{NAME}] {self.done}/{self.total} prompts ({pct:.0f}%) | {rate:,.1f} {self.unit}"
-            f" | elapsed {_duration(elapsed)} | ETA {eta}")
+    read = (f" | {self.read_tokens / elapsed:,.0f} tok/s of stored answers read"
+            if self.read_tokens and elapsed > 0 else "")
+    return (f"[{NAME}] {self.done}/{self.total} prompts ({pct:.0f}%) | {rate:,.1f} new tok/s"
+            f"{read} | elapsed {_duration(elapsed)} | ETA {eta}")
 
 
 def _duration(seconds: float) -> str:
@@ -714,7 +718,8 @@ class TargetResponses(LocalBuilder):
           chunk = self._features_chunk(answers)
           totals["features_seconds"] += float(chunk["features_seconds"])
           self.chunks_from_store += 1
-          progress.update(prompts=hi - lo, new_tokens=0)
+          progress.update(prompts=hi - lo, new_tokens=0,
+                          read_tokens=int(answers["lengths"].sum()))
         else:
           # Target distributions need the logits of every position: answer
           # first, then one forward over the answers.
