@@ -132,7 +132,6 @@ def test_taps_only_forward_equals_the_full_forward():
 def test_the_repository_holds_answers_of_the_10k_recipe():
   """configs/data_smollm2.py:10k points at the answers shipped in data/responses."""
   import importlib.util  # pylint: disable=g-import-not-at-top
-  from train import data as data_cli  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   spec = importlib.util.spec_from_file_location(
       "_data_smollm2", os.path.join(root, "configs", "data_smollm2.py"))
@@ -140,7 +139,7 @@ def test_the_repository_holds_answers_of_the_10k_recipe():
   spec.loader.exec_module(module)
   config = module.get_config("10k")
   assert config.responses_dir == os.path.join(root, "data", "responses")
-  tr_config = data_cli.target_responses_config(config)
+  tr_config = tr.config_from_data_config(config)
   name = response_store.store_name(target_slug="smollm2_135m_instruct", spec=tr_config.spec())
   store_dir = os.path.join(config.responses_dir, name)
   with open(os.path.join(store_dir, "plan.json")) as f:

@@ -60,17 +60,6 @@ def _disk_bytes(dataset_dir: str) -> int:
   return sum(os.path.getsize(p) for p in glob.glob(os.path.join(dataset_dir, "*.array_record*")))
 
 
-def target_responses_config(config: Any):
-  """The `TargetResponsesConfig` a data config describes (its name derived unless set)."""
-  from dloop_jax.data import target_responses as tr_lib  # pylint: disable=g-import-not-at-top
-  fields = _plain(config.target_responses)
-  name = fields.pop("name", "") or None
-  for key, value in _plain(config.sharegpt).items():
-    if key != "source_path":
-      fields[f"sharegpt_{key}"] = value
-  return tr_lib.make_config(name=name, **fields)
-
-
 def build_from_config(config: Any, *, data_dir: str | None = None,
                       only: Sequence[str] | None = None, progress: bool = True,
                       snapshot: bool = False, answers_only: bool = False) -> dict[str, Any]:
@@ -110,7 +99,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
     }
   if "target_responses" in wanted:
     keep = bool(config.keep_work_dir)
-    tr_config = target_responses_config(config)
+    tr_config = tr_lib.config_from_data_config(config)
     work_dir = None
     if snapshot:
       # The snapshot reads the full build's chunks, and never deletes them.

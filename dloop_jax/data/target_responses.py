@@ -208,6 +208,19 @@ def make_config(*, name: str | None = None, **fields) -> TargetResponsesConfig:
   return dataclasses.replace(config, name=name)
 
 
+def config_from_data_config(config: Any) -> TargetResponsesConfig:
+  """The config a data config (configs/data_*.py) describes: its `target_responses`
+  fields and its `sharegpt` options; the name derived unless set."""
+  def plain(value):
+    return {str(k): plain(v) for k, v in value.items()} if hasattr(value, "items") else value
+  fields = plain(config.target_responses)
+  name = fields.pop("name", "") or None
+  for key, value in plain(config.sharegpt).items():
+    if key != "source_path":
+      fields[f"sharegpt_{key}"] = value
+  return make_config(name=name, **fields)
+
+
 def default_work_dir(data_dir: str | os.PathLike, config: TargetResponsesConfig) -> str:
   """Where a build of `config` under `data_dir` keeps its finished chunks."""
   return os.path.join(os.fspath(data_dir), WORK_DIR_NAME, config.name,
