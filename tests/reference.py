@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import collections
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from scipy import stats as scipy_stats
 
 from dloop_jax.decoding.sampling import processed_probs
@@ -21,11 +24,22 @@ def last_logits(target, contexts: list[list[int]]) -> np.ndarray:
   if not isinstance(target, Transformer):
     import model_fixtures  # imports torch: only when a PyTorch model is passed
     return model_fixtures.torch_logits(target, np.asarray(contexts))[:, -1]
-  tokens = jnp.asarray(contexts, jnp.int32)
+  graph, state = nnx.split(target)
+  return np.asarray(_jit_last_logits(graph, state, jnp.asarray(contexts, jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_last_logits(graph, state, tokens):
+  # One compiled forward per shape: run eagerly, each of its operations would
+  # be dispatched (and compiled) on its own.
+  target = nnx.merge(graph, state)
   b, t = tokens.shape
   cache = target.init_cache(batch_size=b, capacity=t)
   positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-  return np.asarray(target(tokens, positions=positions, cache=cache).logits[:, -1])
+  return target(tokens, positions=positions, cache=cache).logits[:, -1]
+
+
+_jit_processed_probs = jax.jit(processed_probs, static_argnums=1)
 
 
 def exact_distribution(target, prompt: list[int], sampling, depth: int = 3) -> dict[tuple, float]:
@@ -34,7 +48,7 @@ def exact_distribution(target, prompt: list[int], sampling, depth: int = 3) -> d
   for _ in range(depth):
     seqs = list(dist)
     logits = last_logits(target, [prompt + list(seq) for seq in seqs])
-    probs = np.asarray(processed_probs(jnp.asarray(logits), sampling), np.float64)
+    probs = np.asarray(_jit_processed_probs(jnp.asarray(logits), sampling), np.float64)
     nxt = {}
     for seq, row in zip(seqs, probs):
       for tok in np.nonzero(row > 0)[0]:

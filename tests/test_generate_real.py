@@ -2,9 +2,9 @@
 
 (a) Our jit `generate(mode="ar")` continues chat prompts exactly like
     transformers' PyTorch `generate(do_sample=False)` on the same weights.
-(b) A batch of prompts of different lengths gives every row the tokens it gets
-    alone.
-(c) Logit parity of our forward (prefill, then a second call against the
+    The prompts run as one batch of rows of different lengths, transformers
+    runs each alone: padding changes no row.
+(b) Logit parity of our forward (prefill, then a second call against the
     cache) with transformers' own GGUF loading: max |diff| <= 2e-3.
 
 Near-tie rule (DESIGN.md section 4): sequences are identical, or at their first
@@ -24,8 +24,7 @@ from lossless import assert_same_or_near_tie
 
 pytestmark = pytest.mark.real_model
 
-MAX_NEW = 64
-BATCH_MAX_NEW = 24
+MAX_NEW = 48
 
 CHATS = [
     [{"role": "user", "content": "Explain photosynthesis to a ten year old in a few sentences."}],
@@ -65,11 +64,13 @@ def _transformers_greedy(reference, prompts: list[list[int]], max_new_tokens: in
 
 
 def test_greedy_matches_transformers(real):
-  """64 greedy tokens on 5 chat prompts equal transformers' greedy generate()."""
+  """48 greedy tokens on 5 chat prompts, one batch, equal transformers' greedy generate()."""
   target, reference = real
   tok = target.tokenizer
   stop = list(tok.stop_token_ids)
   prompts = [tok.apply_chat_template(chat) for chat in CHATS]
+  lengths = [len(p) for p in prompts]
+  assert max(lengths) - min(lengths) >= 25, lengths  # most rows padded
   ours = generate(target.model, prompts, max_new_tokens=MAX_NEW, mode="ar", stop_tokens=stop)
   theirs = _transformers_greedy(reference, prompts, MAX_NEW, stop)
   for prompt, want, got in zip(prompts, theirs, ours.tokens):
@@ -78,26 +79,6 @@ def test_greedy_matches_transformers(real):
   # The comparison has substance: long answers, and one that ends on a stop token.
   assert sum(len(t) for t in theirs) >= 3 * MAX_NEW
   assert any(len(t) < MAX_NEW and t[-1] in stop for t in theirs)
-
-
-def test_batch_equals_each_prompt_alone(real):
-  """Rows of a batch of different prompt lengths get the tokens they get alone."""
-  target, _ = real
-  tok = target.tokenizer
-  stop = list(tok.stop_token_ids)
-  prompts = [
-      tok.encode("The three primary colors are"),
-      tok.apply_chat_template(CHATS[1]),
-      tok.apply_chat_template(CHATS[3]),
-      tok.apply_chat_template(CHATS[4]),
-  ]
-  lengths = [len(p) for p in prompts]
-  assert len(set(lengths)) == 4 and max(lengths) - min(lengths) >= 30, lengths
-  batched = generate(target.model, prompts, max_new_tokens=BATCH_MAX_NEW, stop_tokens=stop)
-  for prompt, got in zip(prompts, batched.tokens):
-    alone = generate(target.model, [prompt], max_new_tokens=BATCH_MAX_NEW, stop_tokens=stop)
-    assert_same_or_near_tie(target.model, prompt, alone.tokens[0], got)
-    assert len(got) == BATCH_MAX_NEW or got[-1] in stop
 
 
 # ------------------------------------------- logits parity (same loaded pair)

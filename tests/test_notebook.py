@@ -21,8 +21,8 @@ def test_quickstart_notebook_runs():
              for c in nb.cells if c.cell_type == "code")
   env = dict(os.environ, DLOOP_NOTEBOOK_SMOKE="1",
              PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-             # The kernel compiles like this test process (conftest: LLVM level 0).
-             XLA_FLAGS=os.environ.get("DLOOP_TEST_XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
+             # The kernel compiles the real model fast (conftest).
+             XLA_FLAGS=os.environ["DLOOP_TEST_REAL_MODEL_XLA_FLAGS"])
   client = NotebookClient(nb, timeout=600, kernel_name="python3",
                           resources={"metadata": {"path": ROOT}})
   client.execute(env=env)
