@@ -48,14 +48,6 @@ flags.mark_flags_as_required(["config"])
 DATASETS = ("sharegpt", "target_responses")
 
 
-def _plain(value: Any) -> Any:
-  if hasattr(value, "items"):
-    return {str(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_plain(v) for v in value]
-  return value
-
-
 def _disk_bytes(dataset_dir: str) -> int:
   return sum(os.path.getsize(p) for p in glob.glob(os.path.join(dataset_dir, "*.array_record*")))
 
@@ -82,6 +74,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
   from dloop_jax.data import target_responses as tr_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.data import tfds_utils  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
   data_dir = os.path.expanduser(data_dir or config.data_dir or tfds_utils.default_data_dir())
   wanted = list(only) if only else list(config.datasets)
@@ -89,7 +82,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
   if unknown:
     raise ConfigError(f"Unknown datasets {unknown}; choose from {list(DATASETS)}.")
   summary: dict[str, Any] = {"data_dir": data_dir}
-  sg_options = _plain(config.sharegpt)
+  sg_options = config_lib.to_plain(config.sharegpt)
   if "sharegpt" in wanted:
     builder = sharegpt_lib.build_sharegpt(data_dir=data_dir, **sg_options)
     summary["sharegpt"] = {

@@ -84,6 +84,7 @@ from dloop_jax.data.response_store import (ResponseStore, answer_spec, claim_dir
 from dloop_jax.data import sharegpt as sharegpt_lib
 from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
 from dloop_jax.errors import ConfigError
+from dloop_jax.training.config import to_plain
 
 NAME = "target_responses"
 TRAIN = "train"
@@ -211,11 +212,9 @@ def make_config(*, name: str | None = None, **fields) -> TargetResponsesConfig:
 def config_from_data_config(config: Any) -> TargetResponsesConfig:
   """The config a data config (configs/data_*.py) describes: its `target_responses`
   fields and its `sharegpt` options; the name derived unless set."""
-  def plain(value):
-    return {str(k): plain(v) for k, v in value.items()} if hasattr(value, "items") else value
-  fields = plain(config.target_responses)
+  fields = to_plain(config.target_responses)
   name = fields.pop("name", "") or None
-  for key, value in plain(config.sharegpt).items():
+  for key, value in to_plain(config.sharegpt).items():
     if key != "source_path":
       fields[f"sharegpt_{key}"] = value
   return make_config(name=name, **fields)
