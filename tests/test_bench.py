@@ -1,8 +1,8 @@
-"""`python -m infer.bench`: aggregation, the results file, plots, and a small real run."""
+"""`python -m infer.bench`: aggregation, the results file, plots (a real run:
+tests/test_real_model_commands.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,8 +13,6 @@ from infer.bench import prompts as prompts_lib
 from infer.bench import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar",
-            "acceptance_length", "identical_to_ar")
 
 
 def _rec(category, method, drafter, tokens, seconds, *, rounds=0, committed=0, hist=(),
@@ -91,47 +89,6 @@ def test_prompt_sets_are_bundled_and_interleaved():
   assert code[0].id == "HumanEval/0" and "def " in code[0].text
   with pytest.raises(Exception, match="Unknown categories"):
     prompts_lib.load(["poetry"], per_category=1)
-
-
-@pytest.mark.real_model
-def test_small_real_run_writes_results_table_and_plots(tmp_path):
-  out = tmp_path / "bench"
-  proc = subprocess.run(
-      [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math",
-       "--prompts-per-category", "1", "--max-new-tokens", "12", "--max-stages", "2",
-       "--drafters", "smollm2-135m-instruct-block", "--schedules", "cost",
-       "--sweep", "--sweep-gates=-inf,0",
-       "--sweep-max-stages=2", "--sweep-prompts", "1", "--out", str(out)],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      # Twelve tokens a run: compiling dominates, so compile fast (conftest).
-      env=dict(os.environ, XLA_FLAGS=os.environ["DLOOP_TEST_REAL_MODEL_XLA_FLAGS"]))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads((out / "results.json").read_text())
-  rows = result["rows"]
-  for row in rows:
-    assert all(k in row for k in REQUIRED), row
-  keys = {(r["category"], r["method"]) for r in rows}
-  for category in ("math", "overall"):
-    for method in ("ar", "sd", "dloop"):
-      assert (category, method) in keys
-  overall = {r["method"]: r for r in rows if r["category"] == "overall"}
-  assert overall["dloop"]["verified_fraction"] <= 1
-  assert result["config"]["cost_table"]["costs"]["1"] > 0
-  for row in rows:
-    assert row["identical_to_ar"] == 1.0 or row["lossless_vs_ar"] == 1.0, row
-  assert len(result["records"]) == 3
-  # Modeled accelerator speedup: every forward one step, a drafter forward 2 / 30 of one.
-  assert overall["ar"]["modeled_speedup"] == 1.0
-  dloop = overall["dloop"]
-  assert dloop["modeled_speedup"] == pytest.approx(
-      dloop["modeled_tokens_per_step"] / overall["ar"]["modeled_tokens_per_step"])
-  assert {(p["gate"], p["max_stages"]) for p in result["sweep"]} == {(-float("inf"), 2), (0.0, 2)}
-  always = next(p for p in result["sweep"] if p["gate"] == -float("inf"))
-  assert always["stages_per_round"] == 2.0  # g = -inf drafts S_max stages every round
-  for name in ("results.md", "speedup.png", "gate_sweep.png"):
-    assert (out / name).stat().st_size > 0
-  assert not (out / "trees.png").exists()  # chains only: no tree plot
-  assert "| overall | dloop |" in (out / "results.md").read_text()
 
 
 def test_no_drafters_excludes_drafters():

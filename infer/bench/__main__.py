@@ -7,7 +7,7 @@
 
 Methods, measured in one run on the same prompts, interleaved per prompt (the
 order rotates from prompt to prompt) after a warm-up: our `ar`; for every
-drafter our `sd` and `dloop` with the same gamma (the drafter's trained block
+drafter our `sd` and `dloop` (see --modes) with the same gamma (the drafter's trained block
 size unless --block-size), verifying the prefix of the drafts that pays (the
 scheduler, `sd` / `dloop`) and every draft (`sd/all` / `dloop/all`), see
 --schedules; with --tree-budgets, the same with draft trees of B nodes per
@@ -69,6 +69,9 @@ def _parse(argv):
   p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
   p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
                  help="storage of our target's weight matrices")
+  p.add_argument("--modes", default="sd,dloop",
+                 help="speculative modes to run with each drafter: sd and / or dloop (our ar,"
+                      " the reference of every comparison, always runs)")
   p.add_argument("--schedules", default="cost,off",
                  help="verification schedules of sd / dloop: cost (the prefix that pays; methods"
                       " sd, dloop) and off (every draft; sd/all, dloop/all)")
@@ -217,6 +220,9 @@ def main(argv=None) -> int:
     _log(f"[bench] {len(prompts)} prompts ({counts}); {skipped} skipped as longer than"
          f" {args.max_prompt_tokens} tokens")
 
+    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    if not modes or any(x not in ("sd", "dloop") for x in modes):
+      raise DLoopError(f"--modes takes sd and / or dloop, got {args.modes!r}.")
     schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
     if not schedules or any(x not in ("cost", "off") for x in schedules):
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
@@ -244,7 +250,7 @@ def main(argv=None) -> int:
         if budget and not d.supports_trees:
           _log(f"[bench] {label}: no draft trees ({d.name}); tree budget {budget} skipped")
           continue
-        for mode in ("sd", "dloop"):
+        for mode in modes:
           if budget and mode == "dloop" and budget < gamma:
             _log(f"[bench] {label}: dloop trees need a budget >= gamma ({gamma});"
                  f" budget {budget} skipped")
@@ -326,13 +332,14 @@ def main(argv=None) -> int:
                 f" draft ({on['verified_fraction']:.0%} of drafts verified,"
                 f" {on['plain_round_fraction']:.0%} plain rounds)")
       sd, dl = overall.get(("sd", label)), overall.get(("dloop", label))
-      if sd and dl:
+      if dl:
         tps = dl["tokens_per_second"]
+        vs_sd = f", {tps / sd['tokens_per_second']:.2f}x sd" if sd else ""
         vs_peers = "".join(f", {tps / overall[(p, '')]['tokens_per_second']:.2f}x {p}"
                            for p in ("hf", "hf_pld") if (p, "") in overall)
-        print(f"{label}: dloop {dl['speedup_vs_ar']:.2f}x ar, {tps / sd['tokens_per_second']:.2f}x"
-              f" sd{vs_peers}; tau {dl['acceptance_length']:.2f} (dloop) vs"
-              f" {sd['acceptance_length']:.2f} (sd)")
+        print(f"{label}: dloop {dl['speedup_vs_ar']:.2f}x ar{vs_sd}{vs_peers};"
+              f" tau {dl['acceptance_length']:.2f} (dloop)"
+              + (f" vs {sd['acceptance_length']:.2f} (sd)" if sd else ""))
     for (method, label), row in overall.items():
       chain = overall.get((method.replace(f"/tree{row['tree_budget']}", ""), label))
       if row["tree_budget"] and chain and chain["acceptance_length"] and row["acceptance_length"]:

@@ -1,0 +1,143 @@
+"""The real default model through the commands users run: the benchmark, `python -m infer`
+and the quickstart notebook.
+
+Every run here decodes math prompts of the benchmark (GSM8K test problem 0: 96 tokens with
+the chat template; MATH-500 problem 0: 79) for 24 new tokens, one row at a time, in ar or
+dloop with the default S_max and schedule: they need the same compiled programs (ar, and
+dloop for each shipped drafter, at one prompt and cache size). The benchmark runs first and
+compiles them; `python -m infer` and the notebook's kernel load them from the test run's
+persistent compilation cache (conftest) instead of compiling them again. One module, so one
+test process runs them, in this order.
+
+The benchmark also checks every dloop output against ar's: this is the shipped drafters'
+losslessness on the real model (sd is dloop with one stage a round: the sweep's g = +inf
+below and the notebook's; every mode, shape, gate and schedule on tiny targets in
+tests/test_engine_*.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from infer.bench import prompts as prompts_lib
+
+pytestmark = pytest.mark.real_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
+SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-eagle3")  # best first
+MAX_NEW = 24  # the notebook's MAX_NEW_TOKENS: the same cache size, the same programs
+REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar",
+            "acceptance_length", "identical_to_ar")
+
+
+def _env() -> dict[str, str]:
+  # The runs compile few, large programs: the real model's flags (conftest).
+  return dict(os.environ, XLA_FLAGS=os.environ["DLOOP_TEST_REAL_MODEL_XLA_FLAGS"])
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  """The benchmark on the first two math prompts with every shipped drafter: (results, dir)."""
+  out = tmp_path_factory.mktemp("bench")
+  proc = subprocess.run(
+      [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math",
+       "--prompts-per-category", "2", "--max-new-tokens", str(MAX_NEW), "--modes", "dloop",
+       "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf", "--sweep-max-stages=3", "--sweep-prompts", "1",
+       "--out", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads((out / "results.json").read_text()), out
+
+
+def test_benchmark_writes_results_table_and_plots(bench):
+  result, out = bench
+  rows = result["rows"]
+  for row in rows:
+    assert all(k in row for k in REQUIRED), row
+  keys = {(r["category"], r["method"]) for r in rows}
+  for category in ("math", "overall"):
+    for method in ("ar", "dloop"):
+      assert (category, method) in keys
+  assert ("overall", "sd") not in keys  # --modes dloop
+  overall = {(r["method"], r["drafter"]): r for r in rows if r["category"] == "overall"}
+  ar = overall["ar", ""]
+  assert result["config"]["cost_table"]["costs"]["1"] > 0
+  # Modeled accelerator speedup: every forward one step, a drafter forward (its layers) / 30.
+  assert ar["modeled_speedup"] == 1.0
+  for (method, _), row in overall.items():
+    assert method == "ar" or row["verified_fraction"] <= 1
+    assert row["modeled_speedup"] == pytest.approx(
+        row["modeled_tokens_per_step"] / ar["modeled_tokens_per_step"]), method
+  sweep = result["sweep"]
+  inf = float("inf")
+  assert {(p["gate"], p["max_stages"]) for p in sweep} == {(-inf, 3), (inf, 3)}
+  for point in sweep:
+    # g = -inf drafts S_max stages every round, g = +inf one (sd's rounds).
+    assert point["stages_per_round"] == (3.0 if point["gate"] == -inf else 1.0), point
+  for name in ("results.md", "speedup.png", "gate_sweep.png"):
+    assert (out / name).stat().st_size > 0
+  assert not (out / "trees.png").exists()  # chains only: no tree plot
+  assert "| overall | dloop |" in (out / "results.md").read_text()
+
+
+def test_shipped_drafters_are_lossless_and_accepted_on_the_real_model(bench):
+  """dloop with each shipped drafter reproduces ar's greedy tokens on both prompts."""
+  result, _ = bench
+  records = result["records"]
+  shipped = SHIPPED
+  assert {r["drafter"] for r in records if r["drafter"]} == set(shipped)
+  assert {r["prompt_id"] for r in records} == {"gsm8k/test/0", "math500/test/0"}
+  # ar, then dloop with each drafter, on each prompt.
+  assert len(records) == 2 * (1 + len(shipped))
+  for rec in records:
+    assert rec["identical_to_ar"] or rec["lossless_vs_ar"], {k: rec[k] for k in (
+        "prompt_id", "method", "drafter", "identical_to_ar", "lossless_vs_ar")}
+  # The sweep's rounds all draft (no back-off): a trained drafter gets some drafts accepted.
+  for name in shipped:
+    best = max(p["acceptance_length"] for p in result["sweep"] if p["drafter"] == name)
+    assert best > 1.0, name
+
+
+def test_infer_defaults_to_dloop_with_the_best_shipped_drafter(bench):
+  result, _ = bench
+  problem = prompts_lib.load(["math"], per_category=1)[0]
+  proc = subprocess.run(
+      [sys.executable, "-m", "infer", "--prompt", problem.text, "--max-new-tokens", str(MAX_NEW),
+       "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rec = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert rec["mode"] == "dloop" and rec["drafter"] == "block"
+  assert rec["new_tokens"] == len(rec["output_ids"]) > 0
+  assert rec["acceptance_length"] >= 1.0 and rec["rounds"] >= 1
+  # The same tokens as the benchmark's ar on this prompt (same chat template, greedy).
+  ar = next(r for r in result["records"]
+            if r["method"] == "ar" and r["prompt_id"] == problem.id)
+  assert rec["output_ids"] == ar["tokens"]
+
+
+def test_quickstart_notebook_runs(bench):
+  del bench  # it compiled the notebook's programs
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  # Committed without outputs: the repository holds the source, not a run.
+  assert all(not c.get("outputs") and c.get("execution_count") is None
+             for c in nb.cells if c.cell_type == "code")
+  env = dict(_env(),
+             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+  client = NotebookClient(nb, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": ROOT}})
+  client.execute(env=env)
+  text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs)
+  for mode in ("ar", "sd", "dloop"):
+    assert f"{mode:>5}: tau" in text, text
+  assert "same tokens as ar: True" in text and "same tokens as ar: False" not in text
+  assert "g = -8.00" in text
+  assert any("image/png" in o.get("data", {}) for o in nb.cells[-2].outputs), "no plot"
