@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import transformers
 
+import model_fixtures
 from dloop_jax.models.registry import registry_path
 from dloop_jax.models.tokenizer import Tokenizer
 
@@ -52,7 +53,9 @@ def _strings() -> list[str]:
 def pair() -> tuple[Tokenizer, transformers.PreTrainedTokenizerBase]:
   path = registry_path("smollm2-135m-instruct")
   folder, name = os.path.split(path)
-  return Tokenizer.from_gguf(path), transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  with model_fixtures.fast_gguf_reads():
+    reference = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  return Tokenizer.from_gguf(path), reference
 
 
 def test_encode_matches_transformers_gguf_tokenizer(pair):
