@@ -189,10 +189,10 @@ def test_training_raises_engine_acceptance_length(learnable, kind, objective, cf
   target, batches, held = learnable
   drafter = _drafter(target, kind)
   before = _tau(target, drafter, held, mode="sd").acceptance_length
-  history = draft_training.train(drafter, batches, objective=objective, cfg=cfg, steps=300)
+  history = draft_training.train(drafter, batches, objective=objective, cfg=cfg, steps=150)
   after = _tau(target, drafter, held, mode="sd").acceptance_length
   loop = _tau(target, drafter, held, mode="dloop", gate=-1.0, max_stages=3)
-  print(f"\n{kind}: sd acceptance length {before:.3f} untrained -> {after:.3f} after 300 steps"
+  print(f"\n{kind}: sd acceptance length {before:.3f} untrained -> {after:.3f} after 150 steps"
         f" (train expected_acceptance_length {history[-1]['expected_acceptance_length']:.3f});"
         f" dloop g=-1 S_max=3: {loop.acceptance_length:.3f}, {loop.stages_per_round:.2f}"
         " stages/round")
