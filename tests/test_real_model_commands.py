@@ -50,8 +50,8 @@ def bench(tmp_path_factory):
   proc = subprocess.run(
       [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math",
        "--prompts-per-category", "2", "--max-new-tokens", str(MAX_NEW), "--modes", "dloop",
-       "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf", "--sweep-max-stages=3", "--sweep-prompts", "1",
-       "--out", str(out)],
+       "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf", "--sweep-max-stages=3",
+       "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads((out / "results.json").read_text()), out
