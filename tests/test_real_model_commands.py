@@ -92,16 +92,15 @@ def test_shipped_drafters_are_lossless_and_accepted_on_the_real_model(bench):
   """dloop with each shipped drafter reproduces ar's greedy tokens on both prompts."""
   result, _ = bench
   records = result["records"]
-  shipped = SHIPPED
-  assert {r["drafter"] for r in records if r["drafter"]} == set(shipped)
+  assert {r["drafter"] for r in records if r["drafter"]} == set(SHIPPED)
   assert {r["prompt_id"] for r in records} == {"gsm8k/test/0", "math500/test/0"}
   # ar, then dloop with each drafter, on each prompt.
-  assert len(records) == 2 * (1 + len(shipped))
+  assert len(records) == 2 * (1 + len(SHIPPED))
   for rec in records:
     assert rec["identical_to_ar"] or rec["lossless_vs_ar"], {k: rec[k] for k in (
         "prompt_id", "method", "drafter", "identical_to_ar", "lossless_vs_ar")}
   # The sweep's rounds all draft (no back-off): a trained drafter gets some drafts accepted.
-  for name in shipped:
+  for name in SHIPPED:
     best = max(p["acceptance_length"] for p in result["sweep"] if p["drafter"] == name)
     assert best > 1.0, name
 

@@ -180,6 +180,13 @@ def main(argv=None) -> int:
     per_category = 3 if args.quick else args.prompts_per_category
     if per_category < 1:
       raise DLoopError("--prompts-per-category must be >= 1.")
+    # Flags first: a bad value fails before the target loads.
+    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    if not modes or any(x not in ("sd", "dloop") for x in modes):
+      raise DLoopError(f"--modes takes sd and / or dloop, got {args.modes!r}.")
+    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    if not schedules or any(x not in ("cost", "off") for x in schedules):
+      raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     t0 = time.perf_counter()
     target = registry.load_target(args.target, weights=args.weights)
     tok = target.tokenizer
@@ -220,12 +227,6 @@ def main(argv=None) -> int:
     _log(f"[bench] {len(prompts)} prompts ({counts}); {skipped} skipped as longer than"
          f" {args.max_prompt_tokens} tokens")
 
-    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
-    if not modes or any(x not in ("sd", "dloop") for x in modes):
-      raise DLoopError(f"--modes takes sd and / or dloop, got {args.modes!r}.")
-    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
-    if not schedules or any(x not in ("cost", "off") for x in schedules):
-      raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     costs = None
     if "cost" in schedules + ([x for x in args.tree_schedules.split(",") if x.strip()]
                               if any(args.tree_budgets) else []) and drafters:
