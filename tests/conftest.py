@@ -12,9 +12,9 @@ import sys
 # program in 3.5 s instead of 6.0 s. The real model's programs (30 layers per
 # verification width) compile faster with the fusion emitters (dloop: 35 s
 # against 55 s), so the command-line runs of the real model the tests start
-# get level 0 alone ($DLOOP_TEST_REAL_MODEL_XLA_FLAGS). Only for this
-# process's backend: the variable is restored once the backend is up.
-_CALLER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+# get level 0 alone ($DLOOP_TEST_REAL_MODEL_XLA_FLAGS). Every other process the
+# tests start (training, data builds, command-line errors on tiny targets)
+# inherits the tiny-program flags.
 _REAL_MODEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS",
                       _REAL_MODEL_XLA_FLAGS + " --xla_cpu_use_fusion_emitters=false")
@@ -63,8 +63,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.devices()  # the backend reads XLA_FLAGS now
 # A child process that must compute exactly as this one passes these flags.
 os.environ["DLOOP_TEST_XLA_FLAGS"] = os.environ["XLA_FLAGS"]
-if _CALLER_XLA_FLAGS is None:
-  del os.environ["XLA_FLAGS"]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -251,13 +251,17 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
 
   # ------------------------------------------------------------------ prefill
   ladder = cache_ladder(prompt_width=tp, capacity=cap) if s.grow_cache else (cap,)
-  cache = target.init_cache(batch_size=b, capacity=ladder[0])
+  # The prompts attend over their own tp slots only (an empty cache has nothing
+  # else to offer), not over the whole capacity: at 3-token prompts in a 64-slot
+  # cache that is a quarter of the attention work. The cache then grows to its
+  # first capacity, one copy.
+  cache = target.init_cache(batch_size=b, capacity=tp)
   positions = jnp.broadcast_to(jnp.arange(tp)[None, :], (b, tp))
   pre = target(prompts, positions=positions, cache=cache, taps=taps,
                logit_positions=(prompt_lengths - 1)[:, None])
   key, first_key = jax.random.split(key)
   first = sampling_lib.next_token(first_key, pre.logits[:, 0], s.sampling)
-  cache = pre.cache.with_lengths(prompt_lengths)
+  cache = pre.cache.with_lengths(prompt_lengths).grow(ladder[0])
   counts, done = finish_lib.commit_counts(
       new_tokens=first[:, None], num_valid=jnp.ones((b,), jnp.int32),
       num_new=jnp.zeros((b,), jnp.int32), max_new_tokens=max_new_tokens, stop=stop)
