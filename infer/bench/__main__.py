@@ -34,12 +34,17 @@ import sys
 import time
 
 
+def _names(text: str) -> list[str]:
+  """The items of a comma-separated flag, stripped, empty ones dropped."""
+  return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _floats(text: str) -> list[float]:
-  return [float(x) for x in text.split(",") if x.strip()]
+  return [float(x) for x in _names(text)]
 
 
 def _ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x.strip()]
+  return [int(x) for x in _names(text)]
 
 
 def _parse(argv):
@@ -181,10 +186,10 @@ def main(argv=None) -> int:
     if per_category < 1:
       raise DLoopError("--prompts-per-category must be >= 1.")
     # Flags first: a bad value fails before the target loads.
-    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    modes = _names(args.modes)
     if not modes or any(x not in ("sd", "dloop") for x in modes):
       raise DLoopError(f"--modes takes sd and / or dloop, got {args.modes!r}.")
-    schedules = [x.strip() for x in args.schedules.split(",") if x.strip()]
+    schedules = _names(args.schedules)
     if not schedules or any(x not in ("cost", "off") for x in schedules):
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     t0 = time.perf_counter()
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
     stops = list(tok.stop_token_ids)
     _log(f"[bench] target {target.name} loaded in {time.perf_counter() - t0:.1f}s")
 
-    names = [n for n in args.drafters.split(",") if n.strip()] or drafter_io.shipped_drafters_for(
+    names = _names(args.drafters) or drafter_io.shipped_drafters_for(
         target.model.config)
     if args.no_drafters:
       names = []
@@ -210,7 +215,7 @@ def main(argv=None) -> int:
     if not drafters:
       _log("[bench] no drafter for this target: measuring ar and the peers only")
 
-    categories = [c for c in args.categories.split(",") if c.strip()]
+    categories = _names(args.categories)
     candidates = prompts_lib.load(categories, per_category=per_category, data_dir=args.data_dir)
     prompts, skipped = [], 0
     counts = {c: 0 for c in categories}
@@ -228,7 +233,7 @@ def main(argv=None) -> int:
          f" {args.max_prompt_tokens} tokens")
 
     costs = None
-    if "cost" in schedules + ([x for x in args.tree_schedules.split(",") if x.strip()]
+    if "cost" in schedules + (_names(args.tree_schedules)
                               if any(args.tree_budgets) else []) and drafters:
       from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
       t0 = time.perf_counter()
@@ -242,7 +247,7 @@ def main(argv=None) -> int:
     methods = [methods_lib.Ours(method="ar", target=target.model, **common)]
     if any(b < 0 for b in args.tree_budgets):
       raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
-    tree_schedules = [x.strip() for x in args.tree_schedules.split(",") if x.strip()]
+    tree_schedules = _names(args.tree_schedules)
     if any(x not in ("cost", "off") for x in tree_schedules):
       raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
     for label, d in drafters:
