@@ -291,7 +291,8 @@ def assign(state: nnx.State, values: Mapping[str, Any], *, dtype: Any, what: str
       raise ModelLoadError(f"{what} {k!r} in {source} has shape {tuple(np.shape(v))}, the"
                            f" drafter needs {tuple(np.shape(current[k]))}.")
     want = dtype if _is_float(current[k]) else current[k].dtype
-    cast[k] = jnp.asarray(v).astype(want)
+    # Cast on the host: a device cast compiles one program per shape and dtype.
+    cast[k] = jnp.asarray(np.asarray(v).astype(np.dtype(want), copy=False))
   return _with_values(state, cast)
 
 
