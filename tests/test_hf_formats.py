@@ -344,19 +344,25 @@ def _commit(drafter, features, next_tokens, capacity=24):
                         starts=jnp.zeros((1,), jnp.int32), counts=jnp.full((1,), n, jnp.int32))
 
 
-def _eagle3_ours(drafter, features, next_tokens, num_drafts):
-  """Our logits at every pair but the last (training-time test step 0), the last, and drafts."""
+@nnx.jit(static_argnums=3)
+def _eagle3_program(drafter, features, next_tokens, num_drafts):
   n = features.shape[0]
-  tokens = jnp.asarray(np.concatenate([[0], next_tokens]), jnp.int32)[None, :n]
-  hid = drafter.ttt_hiddens(tokens=tokens, features=jnp.asarray(features)[None],
+  tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), next_tokens])[None, :n]
+  hid = drafter.ttt_hiddens(tokens=tokens, features=features[None],
                             positions=jnp.arange(n)[None], segment_ids=jnp.ones((1, n), jnp.int32),
                             num_steps=1)[0, 0, :n - 1]
   state = _commit(drafter, features, next_tokens)
-  logits = np.concatenate([np.asarray(drafter.draft_logits(hid)),
-                           np.asarray(drafter.draft_logits(state.hidden))])
+  logits = jnp.concatenate([drafter.draft_logits(hid), drafter.draft_logits(state.hidden)])
   _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=num_drafts,
                                  sampling=GREEDY)
-  return logits, np.asarray(stage.tokens[0]).tolist(), np.asarray(stage.logprobs[0])
+  return logits, stage.tokens[0], stage.logprobs[0]
+
+
+def _eagle3_ours(drafter, features, next_tokens, num_drafts):
+  """Our logits at every pair but the last (training-time test step 0), the last, and drafts."""
+  logits, tokens, logprobs = _eagle3_program(drafter, jnp.asarray(features),
+                                             jnp.asarray(next_tokens, jnp.int32), num_drafts)
+  return np.asarray(logits), np.asarray(tokens).tolist(), np.asarray(logprobs)
 
 
 def _block_ours(drafter, features, next_tokens, gamma):
