@@ -22,6 +22,25 @@ def _drafter(tiny, kind):
              rngs=nnx.Rngs(5))
 
 
+# The drafter's calls as programs (one per shape), not op by op.
+@nnx.jit
+def _commit(drafter, state, tokens, features, next_tokens, starts, counts):
+  return drafter.commit(state, tokens=tokens, features=features, next_tokens=next_tokens,
+                        starts=starts, counts=counts)
+
+
+@nnx.jit
+def _flush(drafter, deferred, state, committed_length):
+  return deferred_lib.flush(deferred, drafter=drafter, drafter_state=state,
+                            committed_length=committed_length)
+
+
+@nnx.jit(static_argnums=3)
+def _greedy_stage(drafter, state, key, block_size):
+  return drafter.draft_stage(state, key=key, block_size=block_size,
+                             sampling=sampling_lib.GREEDY)[1]
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "block"])
 def test_one_deferred_commit_equals_step_by_step_commits(tiny, kind):
   """Rows hold 3, 0 and 5 steps of a pause; the drafter drafts the same after either."""
@@ -33,31 +52,30 @@ def test_one_deferred_commit_equals_step_by_step_commits(tiny, kind):
   tokens = jnp.asarray(rng.integers(0, 64, (b, total + 1)), jnp.int32)
   features = jnp.asarray(rng.normal(size=(b, total, n_taps, d)), jnp.float32)
   state = drafter.init_state(batch_size=b, capacity=32)
-  state = drafter.commit(state, tokens=tokens[:, :prompt], features=features[:, :prompt],
-                         next_tokens=tokens[:, 1:prompt + 1], starts=jnp.zeros((b,), jnp.int32),
-                         counts=jnp.full((b,), prompt, jnp.int32))
+  state = _commit(drafter, state, tokens[:, :prompt], features[:, :prompt],
+                  tokens[:, 1:prompt + 1], jnp.zeros((b,), jnp.int32),
+                  jnp.full((b,), prompt, jnp.int32))
+  push = jax.jit(deferred_lib.push)
 
   eager, deferred = state, deferred_lib.Deferred.create(
       batch_size=b, num_taps=n_taps, hidden_size=d, dtype=jnp.float32)
   for t in range(prompt, total):
     committed = jnp.asarray(t - prompt < steps)
     length = jnp.asarray(prompt + np.minimum(t - prompt, steps), jnp.int32)
-    eager = drafter.commit(eager, tokens=tokens[:, t:t + 1], features=features[:, t:t + 1],
-                           next_tokens=tokens[:, t + 1:t + 2], starts=length,
-                           counts=committed.astype(jnp.int32))
-    deferred = deferred_lib.push(deferred, token=tokens[:, t], features=features[:, t:t + 1],
-                                 next_token=tokens[:, t + 1], committed=committed)
+    eager = _commit(drafter, eager, tokens[:, t:t + 1], features[:, t:t + 1],
+                    tokens[:, t + 1:t + 2], length, committed.astype(jnp.int32))
+    deferred = push(deferred, token=tokens[:, t], features=features[:, t:t + 1],
+                    next_token=tokens[:, t + 1], committed=committed)
   np.testing.assert_array_equal(deferred.count, steps)
   assert not np.any(deferred_lib.full(deferred))
-  lazy, emptied, held = deferred_lib.flush(
-      deferred, drafter=drafter, drafter_state=state,
-      committed_length=jnp.asarray(prompt + steps, jnp.int32))
+  lazy, emptied, held = _flush(drafter, deferred, state,
+                               jnp.asarray(prompt + steps, jnp.int32))
   np.testing.assert_array_equal(held, steps > 0)
   np.testing.assert_array_equal(emptied.count, 0)
 
   key = jax.random.key(1)
-  _, want = drafter.draft_stage(eager, key=key, block_size=3, sampling=sampling_lib.GREEDY)
-  _, got = drafter.draft_stage(lazy, key=key, block_size=3, sampling=sampling_lib.GREEDY)
+  want = _greedy_stage(drafter, eager, key, 3)
+  got = _greedy_stage(drafter, lazy, key, 3)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
 
