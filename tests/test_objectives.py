@@ -183,8 +183,9 @@ def _tau(target, drafter, held, **kw):
   return out.total
 
 
-BASE_OBJECTIVES = {"eagle3": ("eagle3_ttt", {"ttt_steps": GAMMA}),
-                   "block": ("block", {"anchors_per_sequence": 8})}
+# kind -> (its base objective, cfg): the CASES that are not loop-aware.
+BASE_OBJECTIVES = {kind: (case, cfg) for case, (kind, cfg) in CASES.items()
+                   if not case.startswith("loop")}
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +258,7 @@ def _loop_aware_against_base(kind: str, *, init_std: float, seed: int, base_step
                                       seed=99)
   batches = [draft_training.pack_batch(train[i:i + 16], seq_len=48)
              for i in range(0, len(train), 16)]
-  base, cfg = (("eagle3_ttt", {"ttt_steps": GAMMA}) if kind == "eagle3"
-               else ("block", {"anchors_per_sequence": 8}))
+  base, cfg = BASE_OBJECTIVES[kind]
   loop_cfg = dict(cfg, loop_stages=3)  # (loop-aware unrolls its own stages: ttt_steps unused)
   drafter = _drafter(target, kind, seed=seed)
   draft_training.train(drafter, batches, objective=base, cfg=cfg, steps=base_steps,

@@ -192,6 +192,11 @@ def main(argv=None) -> int:
     schedules = _names(args.schedules)
     if not schedules or any(x not in ("cost", "off") for x in schedules):
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
+    if any(b < 0 for b in args.tree_budgets):
+      raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
+    tree_schedules = _names(args.tree_schedules)
+    if any(x not in ("cost", "off") for x in tree_schedules):
+      raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
     t0 = time.perf_counter()
     target = registry.load_target(args.target, weights=args.weights)
     tok = target.tokenizer
@@ -233,8 +238,7 @@ def main(argv=None) -> int:
          f" {args.max_prompt_tokens} tokens")
 
     costs = None
-    if "cost" in schedules + (_names(args.tree_schedules)
-                              if any(args.tree_budgets) else []) and drafters:
+    if "cost" in schedules + (tree_schedules if any(args.tree_budgets) else []) and drafters:
       from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
       t0 = time.perf_counter()
       table = (costs_lib.as_table(args.costs) if args.costs else
@@ -245,11 +249,6 @@ def main(argv=None) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
                   seed=args.seed)
     methods = [methods_lib.Ours(method="ar", target=target.model, **common)]
-    if any(b < 0 for b in args.tree_budgets):
-      raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
-    tree_schedules = _names(args.tree_schedules)
-    if any(x not in ("cost", "off") for x in tree_schedules):
-      raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
     for label, d in drafters:
       gamma = args.block_size or d.block_size
       for budget in dict.fromkeys(args.tree_budgets):
