@@ -24,6 +24,7 @@ from flax import nnx
 import model_fixtures
 from dloop_jax.models.hf_loader import load_hf_dir
 from dloop_jax.models.kv_cache import write_kv
+from dloop_jax.models import transformer
 from dloop_jax.models.transformer import Transformer
 
 # f32 rounding only: a forward over 1, 4 or 24 new tokens sums attention and
@@ -209,3 +210,38 @@ def test_write_kv_puts_each_row_at_its_own_start(batch):
     for r in range(batch):
       want[r, :, starts[r]:starts[r] + new] = upd[r].transpose(1, 0, 2)
     np.testing.assert_array_equal(np.asarray(got), want.reshape(cache.shape))
+
+
+@pytest.mark.parametrize("batch,new", [(12, 1), (12, 3), (2, 1)])
+def test_cached_attention_layouts_agree(batch, new, monkeypatch):
+  """Slot-major scores (many rows, few queries) equal the query-major ones,
+  and both equal a plain softmax attention over the visible slots."""
+  kv_heads, groups, capacity, head = 3, 2, 20, 8
+  rng = np.random.default_rng(batch * 10 + new)
+  q = rng.normal(size=(batch, new, kv_heads * groups, head)).astype(np.float32)
+  k_cache, v_cache = (rng.normal(size=(batch * kv_heads, capacity, head)).astype(np.float32)
+                      for _ in range(2))
+  lengths = rng.integers(1, capacity - new + 1, size=batch)
+  # Row r sees slots < lengths[r] + t + 1 at new token t (causal over the new ones).
+  mask = np.arange(capacity)[None, None, :] < (lengths[:, None, None]
+                                               + np.arange(new)[None, :, None] + 1)
+  layouts = {}
+  for name, min_pairs in (("slot_major", 1), ("query_major", 10 ** 9)):
+    monkeypatch.setattr(transformer, "SLOT_MAJOR_MIN_PAIRS", min_pairs)
+    assert transformer._slot_major(pairs=batch * kv_heads, queries=groups * new) == (
+        name == "slot_major")
+    layouts[name] = np.asarray(jax.jit(transformer.cached_attention)(q, k_cache, v_cache,
+                                                                     jnp.asarray(mask)))
+  kc = k_cache.reshape(batch, kv_heads, capacity, head)
+  vc = v_cache.reshape(batch, kv_heads, capacity, head)
+  want = np.zeros((batch, new, kv_heads * groups, head), np.float64)
+  for r in range(batch):
+    for t in range(new):
+      for n in range(kv_heads * groups):
+        scores = kc[r, n // groups] @ q[r, t, n] / np.sqrt(head)
+        scores = np.where(mask[r, t], scores, -np.inf)
+        p = np.exp(scores - scores.max())
+        want[r, t, n] = (p / p.sum()) @ vc[r, n // groups]
+  want = want.reshape(batch, new, -1)
+  np.testing.assert_allclose(layouts["slot_major"], want, atol=1e-5)
+  np.testing.assert_allclose(layouts["query_major"], want, atol=1e-5)
