@@ -259,12 +259,30 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   return out.astype(dtype)
 
 
+# A tied head of a few rows (verification widths 2-5, a block drafter's
+# positions) multiplies about twice as fast on XLA:CPU as rows [V, D] @ h.T,
+# the matrix on the left, than as h @ rows.T (SmolLM2's 49,152 x 576 embedding,
+# 2 to 5 rows: 9-15 ms against 21-24 ms; one row: the same). From about 9 rows
+# the usual form is faster again. The barrier keeps XLA from folding the
+# transpose of the small [V, rows] result back into the product.
+WEIGHTS_LEFT_MAX_ROWS = 8
+
+
 def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   """hidden [..., D] @ rows[V, D].T -> f32 [..., V], without transposing `rows`.
 
   Tied heads read the embedding [V, D] as is: `embed.T` would make XLA copy the
   whole matrix (113 MB for SmolLM2) in every forward on CPU.
   """
+  lead = hidden.shape[:-1]
+  count = int(np.prod(lead)) if lead else 1
+  if 1 < count <= WEIGHTS_LEFT_MAX_ROWS and not _is_half(rows.dtype):
+    # rows [V, D] @ hidden.T: see WEIGHTS_LEFT_MAX_ROWS.
+    flat = hidden.reshape(count, hidden.shape[-1]).astype(rows.dtype)
+    by_row = jax.lax.optimization_barrier(
+        jax.lax.dot_general(rows, flat, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32))  # [V, rows]
+    return jnp.transpose(by_row).reshape(lead + (rows.shape[0],))
   out, _ = _product(hidden, rows, 1)
   return out.astype(jnp.float32)
 
