@@ -227,7 +227,9 @@ def test_loop_aware_objective(learnable, drafters, kind):
   drafter = drafters["trained"]
   batch = jax.tree.map(jnp.asarray, batches[1])
   key = jax.random.key(7)
-  loss_of = lambda d, b, k, cfg: objectives.loss_fn(d, b, k, objective=cfg[0], cfg=dict(cfg[1]))
+  loss_of = nnx.jit(
+      lambda d, b, k, cfg: objectives.loss_fn(d, b, k, objective=cfg[0], cfg=dict(cfg[1])),
+      static_argnums=3)
   base, _ = loss_of(drafter, batch, key, (kind, tuple(TRAIN_CFG.items())))
   one, m1 = loss_of(drafter, batch, key, ("loop_aware", (("fixed_stages", 1),
                                                          ("anchors_per_sequence", 8))))

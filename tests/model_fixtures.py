@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 
 from dloop_jax.models import LoadedTarget, gguf_loader, load_target
 from dloop_jax.models.transformer import Transformer
@@ -84,23 +85,35 @@ def torch_logits(model: transformers.PreTrainedModel, tokens: np.ndarray) -> np.
     return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
-def flax_logits(model: Transformer, tokens: np.ndarray, *, split: int | None = None) -> np.ndarray:
+def flax_logits(model: Transformer, tokens: np.ndarray, *, split: int | None = None,
+                compiled: bool = True) -> np.ndarray:
   """[B, T, V] logits of our forward through a KV cache.
 
   With `split`, the first `split` tokens are a prefill and the rest a second
-  call against the filled cache, as in decoding.
+  call against the filled cache, as in decoding. `compiled` runs each call as
+  one program (a tiny model's forward op by op compiles about a hundred small
+  ones); a 30-layer model is cheaper op by op (its layers share every op's
+  compiled shape).
   """
   b, t = tokens.shape
   cache = model.init_cache(batch_size=b, capacity=t + 8)
   chunks = [(0, t)] if split is None else [(0, split), (split, t)]
+  forward = _compiled_forward if compiled else _forward
   out = []
   for start, end in chunks:
     positions = jnp.arange(start, end)[None].repeat(b, 0)
-    result = model(jnp.asarray(tokens[:, start:end]), positions=positions, cache=cache)
-    cache = result.cache
-    out.append(np.asarray(result.logits))
+    logits, cache = forward(model, jnp.asarray(tokens[:, start:end]), positions, cache)
+    out.append(np.asarray(logits))
   assert int(cache.lengths[0]) == t
   return np.concatenate(out, axis=1)
+
+
+def _forward(model, tokens, positions, cache):
+  result = model(tokens, positions=positions, cache=cache)
+  return result.logits, result.cache
+
+
+_compiled_forward = nnx.jit(_forward)
 
 
 @contextlib.contextmanager
