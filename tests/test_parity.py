@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ import model_fixtures
 from dloop_jax.models import load_target
 from dloop_jax.models.gguf_loader import load_gguf
 from dloop_jax.models.hf_loader import load_hf_dir
-from dloop_jax.models.transformer import Transformer
+from dloop_jax.models.transformer import WEIGHTS_LEFT_MAX_ROWS, Transformer, project_rows
 
 torch.set_num_threads(2)
 
@@ -123,3 +124,15 @@ def test_load_target_bf16(tmp_path):
     # bf16 weights and activations: only a loose match is expected.
     assert np.max(np.abs(model_fixtures.flax_logits(target.model, tokens) - expected)) < 0.25
   assert target.tokenizer is not None and target.name == "m"
+
+
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (1, WEIGHTS_LEFT_MAX_ROWS),
+                                  (WEIGHTS_LEFT_MAX_ROWS + 1,)])
+def test_tied_head_products_agree_across_row_counts(lead):
+  """The tied head's two product forms (few rows: matrix on the left) give h @ rows.T."""
+  rng = np.random.default_rng(len(lead) * 10 + lead[-1])
+  rows = rng.normal(size=(96, 16)).astype(np.float32)
+  hidden = rng.normal(size=lead + (16,)).astype(np.float32)
+  got = np.asarray(jax.jit(project_rows)(jnp.asarray(hidden), jnp.asarray(rows)))
+  assert got.shape == lead + (96,) and got.dtype == np.float32
+  np.testing.assert_allclose(got, hidden @ rows.T, atol=1e-4, rtol=1e-5)

@@ -259,8 +259,8 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   return out.astype(dtype)
 
 
-# A tied head of a few rows (verification widths 2-5, a block drafter's
-# positions) multiplies about twice as fast on XLA:CPU as rows [V, D] @ h.T,
+# A tied head over a few rows (verification widths 2-5, a block drafter's
+# positions) is about twice as fast on XLA:CPU computed as rows [V, D] @ h.T,
 # the matrix on the left, than as h @ rows.T (SmolLM2's 49,152 x 576 embedding,
 # 2 to 5 rows: 9-15 ms against 21-24 ms; one row: the same). From about 9 rows
 # the usual form is faster again. The barrier keeps XLA from folding the
