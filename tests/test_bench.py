@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from dloop_jax.errors import ConfigError
 from infer.bench import prompts as prompts_lib
 from infer.bench import report
 
@@ -116,3 +117,32 @@ def test_a_run_that_compiled_is_repeated_and_the_repeat_timed():
   assert (fresh.calls, run.seconds, run.compile_seconds) == (2, 2.0, 1.5)
   run = methods.timed_run(warm, [1, 2])
   assert (warm.calls, run.seconds, run.compile_seconds) == (1, 2.0, 0.0)
+
+
+def test_repeats_interleave_the_methods_and_keep_each_ones_median_run():
+  from infer.bench import methods
+
+  calls = []
+
+  class Fake:
+    def __init__(self, name, seconds):
+      self.name, self.seconds = name, list(seconds)
+
+    def run(self, ids, **kw):
+      calls.append(self.name)
+      return methods.Run(tokens=list(ids), seconds=self.seconds.pop(0))
+
+  a, b, c = Fake("a", [3.0, 1.0, 2.0]), Fake("b", [5.0, 4.0, 6.0]), Fake("c", [1.0, 9.0, 2.0])
+  runs = methods.interleaved_runs([a, b, c], [7], repeats=3, rotation=1)
+  # Pass r starts at method (1 + r) % 3.
+  assert calls == ["b", "c", "a", "c", "a", "b", "a", "b", "c"]
+  assert [runs[id(m)].seconds for m in (a, b, c)] == [2.0, 5.0, 2.0]
+  with pytest.raises(ConfigError, match="repeats"):
+    methods.interleaved_runs([a], [7], repeats=0)
+
+
+def test_bad_repeats_fails_before_the_target_loads():
+  proc = subprocess.run([sys.executable, "-m", "infer.bench", "--repeats", "0"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert "--repeats must be >= 1" in proc.stderr

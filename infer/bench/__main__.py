@@ -92,6 +92,9 @@ def _parse(argv):
   p.add_argument("--tree-schedules", default="off",
                  help="verification schedules of the tree rows: off (the whole tree;"
                       " sd/treeB/all, dloop/treeB/all) and / or cost (the best nodes that pay)")
+  p.add_argument("--repeats", type=int, default=1,
+                 help="time each prompt this many times, the methods interleaved, and keep"
+                      " each method's median run (steadier ratios on a noisy machine)")
   p.add_argument("--no-peers", action="store_true", help="leave out the transformers peers")
   p.add_argument("--pld-tokens", type=int, default=10,
                  help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
@@ -185,6 +188,8 @@ def main(argv=None) -> int:
     per_category = 3 if args.quick else args.prompts_per_category
     if per_category < 1:
       raise DLoopError("--prompts-per-category must be >= 1.")
+    if args.repeats < 1:
+      raise DLoopError(f"--repeats must be >= 1, got {args.repeats}.")
     # Flags first: a bad value fails before the target loads.
     modes = _names(args.modes)
     if not modes or any(x not in ("sd", "dloop") for x in modes):
@@ -282,8 +287,7 @@ def main(argv=None) -> int:
 
     records = []
     for i, (p, ids) in enumerate(prompts):
-      order = methods[i % len(methods):] + methods[:i % len(methods)]
-      runs = {id(m): methods_lib.timed_run(m, ids) for m in order}
+      runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
       ar_tokens = recs[0]["tokens"]
       for rec in recs:

@@ -164,3 +164,23 @@ def timed_run(method, prompt_ids: Sequence[int], **kwargs) -> Run:
     run = dataclasses.replace(method.run(prompt_ids, **kwargs),
                               compile_seconds=run.compile_seconds)
   return run
+
+
+def interleaved_runs(methods: Sequence[Any], prompt_ids: Sequence[int], *, repeats: int = 1,
+                     rotation: int = 0) -> dict[int, Run]:
+  """Each method's `timed_run` on one prompt, `repeats` times, the methods interleaved.
+
+  Pass r runs the methods starting from the (rotation + r)-th, so slow drift of
+  the machine falls on every method alike; each method keeps its run of median
+  time (the lower median for an even count). Keyed by `id(method)`.
+  """
+  if repeats < 1:
+    raise ConfigError(f"repeats must be >= 1, got {repeats}.")
+  runs: dict[int, list[Run]] = {id(m): [] for m in methods}
+  for r in range(repeats):
+    k = (rotation + r) % len(methods)
+    for m in list(methods[k:]) + list(methods[:k]):
+      runs[id(m)].append(timed_run(m, prompt_ids))
+  return {key: sorted(rs, key=lambda run: run.seconds)[(len(rs) - 1) // 2]
+          for key, rs in runs.items()}
+
