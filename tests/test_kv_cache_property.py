@@ -22,9 +22,9 @@ import pytest
 from flax import nnx
 
 import model_fixtures
+from dloop_jax.models import transformer
 from dloop_jax.models.hf_loader import load_hf_dir
 from dloop_jax.models.kv_cache import write_kv
-from dloop_jax.models import transformer
 from dloop_jax.models.transformer import Transformer
 
 # f32 rounding only: a forward over 1, 4 or 24 new tokens sums attention and

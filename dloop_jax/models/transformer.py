@@ -219,6 +219,15 @@ def _is_half(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 2
 
 
+# A tied head over a few rows (verification widths 2-5, a block drafter's
+# positions) is about twice as fast on XLA:CPU computed as rows [V, D] @ h.T,
+# the matrix on the left, than as h @ rows.T (SmolLM2's 49,152 x 576 embedding,
+# 2 to 5 rows: 9-15 ms against 21-24 ms; one row: the same). From about 9 rows
+# the usual form is faster again. The barrier keeps XLA from folding the
+# transpose of the small [V, rows] result back into the product.
+WEIGHTS_LEFT_MAX_ROWS = 8
+
+
 def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]:
   """x [..., K] times w along w's axis `contract` (K), accumulated in f32.
 
@@ -241,6 +250,12 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
   lead = x.shape[:-1]
   rows = int(np.prod(lead)) if lead else 1
   flat = x.reshape(rows, x.shape[-1])
+  if contract == 1 and 1 < rows <= WEIGHTS_LEFT_MAX_ROWS and not _is_half(w.dtype):
+    # w [N, K] @ flat.T: see WEIGHTS_LEFT_MAX_ROWS.
+    out = jnp.transpose(jax.lax.optimization_barrier(
+        jax.lax.dot_general(w, flat, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)))
+    return out.reshape(lead + (out.shape[-1],)), out_dtype
   if rows == 1 and _is_half(w.dtype):
     flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
   out = jax.lax.dot_general(flat, w, (((1,), (contract,)), ((), ())),
@@ -259,30 +274,12 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   return out.astype(dtype)
 
 
-# A tied head over a few rows (verification widths 2-5, a block drafter's
-# positions) is about twice as fast on XLA:CPU computed as rows [V, D] @ h.T,
-# the matrix on the left, than as h @ rows.T (SmolLM2's 49,152 x 576 embedding,
-# 2 to 5 rows: 9-15 ms against 21-24 ms; one row: the same). From about 9 rows
-# the usual form is faster again. The barrier keeps XLA from folding the
-# transpose of the small [V, rows] result back into the product.
-WEIGHTS_LEFT_MAX_ROWS = 8
-
-
 def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   """hidden [..., D] @ rows[V, D].T -> f32 [..., V], without transposing `rows`.
 
   Tied heads read the embedding [V, D] as is: `embed.T` would make XLA copy the
   whole matrix (113 MB for SmolLM2) in every forward on CPU.
   """
-  lead = hidden.shape[:-1]
-  count = int(np.prod(lead)) if lead else 1
-  if 1 < count <= WEIGHTS_LEFT_MAX_ROWS and not _is_half(rows.dtype):
-    # rows [V, D] @ hidden.T: see WEIGHTS_LEFT_MAX_ROWS.
-    flat = hidden.reshape(count, hidden.shape[-1]).astype(rows.dtype)
-    by_row = jax.lax.optimization_barrier(
-        jax.lax.dot_general(rows, flat, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32))  # [V, rows]
-    return jnp.transpose(by_row).reshape(lead + (rows.shape[0],))
   out, _ = _product(hidden, rows, 1)
   return out.astype(jnp.float32)
 
@@ -372,14 +369,13 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   kv_heads = k_cache.shape[0] // b
   capacity = k_cache.shape[1]
   q = _group_queries(q, kv_heads)
-  minimum = jnp.finfo(jnp.float32).min
   if _slot_major(pairs=q.shape[0], queries=q.shape[1]):
     slot_major = jax.lax.optimization_barrier(_f32_einsum("nch,nqh->ncq", k_cache, q))
     scores = jnp.transpose(slot_major, (0, 2, 1)) * (h ** -0.5)
   else:
     scores = _f32_einsum("nch,nqh->nqc", k_cache, q) * (h ** -0.5)
   scores = scores.reshape(b, kv_heads, -1, t, capacity)
-  scores = jnp.where(mask[:, None, None], scores, minimum)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
   probs = probs.reshape(b * kv_heads, -1, capacity)
   out = _f32_einsum("nch,nqc->nqh", v_cache, probs).astype(v_cache.dtype)
