@@ -85,6 +85,40 @@ def test_answers_only_resumes_and_a_full_build_fills_the_store(tmp_path):
   assert sorted(len([n for n in os.listdir(d) if n.endswith(".npz")]) for d in stores) == [1, 2]
 
 
+def test_a_partly_answered_store_is_answered_first_then_read(builds, tmp_path):
+  """The prompts the store lacks are answered (taps captured) before any stored answer is read."""
+  # The chunk the build visits last (BUILD's seed orders chunks 1, 2, 0) is the one missing.
+  order = np.random.default_rng(BUILD["seed"]).permutation(3).tolist()
+  last = f"chunk_{order[-1]:05d}.npz"
+  _, _, _, captured, store = builds
+  partial = tmp_path / "answers"
+  (done,) = [d for d in os.listdir(store)]
+  os.makedirs(partial / done)
+  for name in os.listdir(store / done):
+    if name != last:
+      with open(store / done / name, "rb") as src, open(partial / done / name, "wb") as dst:
+        dst.write(src.read())
+  builder = _builder(tmp_path / "build", store=partial)
+  calls = []
+  for name in ("_generate_chunk", "_features_chunk"):
+    method = getattr(builder, name)
+    def record(*args, _name=name, _method=method, **kwargs):
+      calls.append(_name)
+      return _method(*args, **kwargs)
+    setattr(builder, name, record)
+  examples = _examples(builder)
+  assert calls == ["_generate_chunk", "_features_chunk", "_features_chunk"]
+  assert builder.chunks_generated == 1 and builder.chunks_from_store == 2
+  assert last in os.listdir(partial / done)  # the store is whole again
+  assert [int(e["index"]) for e in examples] == list(range(20))
+  for a, b in zip(examples, captured):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    n = len(a["tokens"])
+    np.testing.assert_allclose(a["features"][:n - 1].astype(np.float32),
+                               b["features"][:n - 1].astype(np.float32), rtol=4e-3, atol=4e-3)
+  assert builder.info.metadata["totals"]["new_tokens"] == 20 * 24
+
+
 def test_other_taps_reuse_the_answers(tmp_path):
   store = tmp_path / "answers"
   _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()

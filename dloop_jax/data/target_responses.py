@@ -427,6 +427,11 @@ def _load_chunk(path: str, *, expected_index: np.ndarray) -> dict[str, np.ndarra
   return arrays
 
 
+def _load_chunk_if_exists(path: str, *, expected_index: np.ndarray
+                          ) -> dict[str, np.ndarray] | None:
+  return _load_chunk(path, expected_index=expected_index) if os.path.exists(path) else None
+
+
 def _npz_memmap(path: str, name: str) -> np.ndarray:
   """Array `name` of an uncompressed .npz (what `np.savez` writes), memory-mapped."""
   with zipfile.ZipFile(path) as z:
@@ -709,19 +714,32 @@ class TargetResponses(LocalBuilder):
     missing, chunks = [], []
     # Chunks hold prompts of similar length (sorted); visiting them in a
     # seeded random order keeps the tokens/s and ETA estimates unbiased.
-    order = np.random.default_rng(c.seed).permutation(num_chunks)
-    for position, k in enumerate(order.tolist()):
+    order = np.random.default_rng(c.seed).permutation(num_chunks).tolist()
+    answered = set()  # chunks answered by this run's first pass
+    if not self._finished_chunks_only and self._store is not None:
+      # The prompts the store has not answered come first: their taps are
+      # captured while decoding, at no extra cost, and the store keeps growing
+      # before the forwards over its stored answers (the second pass) start.
+      for k in order:
+        index = self._chunk_index(k, n=n)
+        if (self._store.load(k, expected_index=index) is None
+            and _load_chunk_if_exists(self._chunk_path(k), expected_index=index) is None):
+          totals["features_seconds"] += self._answer_chunk(prompts, k, n=n, progress=progress)
+          answered.add(k)
+    for position, k in enumerate(order):
       lo, hi = k * c.chunk_size, min(n, (k + 1) * c.chunk_size)
-      path = os.path.join(self.work_dir, f"chunk_{k:05d}.npz")
-      index = np.arange(lo, hi, dtype=np.int64)
-      arrays = _load_chunk(path, expected_index=index) if os.path.exists(path) else None
-      reused = arrays is not None
+      path = self._chunk_path(k)
+      index = self._chunk_index(k, n=n)
+      arrays = _load_chunk_if_exists(path, expected_index=index)
+      reused = arrays is not None and k not in answered
       answers = (self._store.load(k, expected_index=index)
-                 if not reused and self._store is not None else None)
-      if not reused and answers is None and self._finished_chunks_only:
+                 if arrays is None and self._store is not None else None)
+      if arrays is None and answers is None and self._finished_chunks_only:
         missing.append(k)
         continue
-      if reused:
+      if k in answered:
+        pass  # counted when it was answered
+      elif reused:
         self.chunks_reused += 1
         progress.done += hi - lo
         progress.start_done += hi - lo
@@ -732,18 +750,9 @@ class TargetResponses(LocalBuilder):
           self.chunks_from_store += 1
           progress.update(prompts=hi - lo, new_tokens=0,
                           read_tokens=int(answers["lengths"].sum()))
+          save_npz_atomic(path, chunk)
         else:
-          # Target distributions need the logits of every position: answer
-          # first, then one forward over the answers.
-          chunk = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress,
-                                       capture=not self.topk())
-          if self._store is not None:
-            self._store.save(k, chunk)
-          if self.topk():
-            chunk = self._features_chunk(chunk)
-            totals["features_seconds"] += float(chunk["features_seconds"])
-          self.chunks_generated += 1
-        save_npz_atomic(path, chunk)
+          totals["features_seconds"] += self._answer_chunk(prompts, k, n=n, progress=progress)
         arrays = _load_chunk(path, expected_index=index)  # features memory-mapped
       totals["generation_seconds"] += float(arrays["seconds"])
       totals["compile_seconds"] += float(arrays["compile_seconds"])
@@ -773,6 +782,35 @@ class TargetResponses(LocalBuilder):
             " generated); writing the dataset.", file=sys.stderr,
             flush=True)
     return chunks
+
+  def _chunk_path(self, k: int) -> str:
+    return os.path.join(self.work_dir, f"chunk_{k:05d}.npz")
+
+  def _chunk_index(self, k: int, *, n: int) -> np.ndarray:
+    """The prompt indices of chunk k (of n prompts)."""
+    size = self.builder_config.chunk_size
+    return np.arange(k * size, min(n, (k + 1) * size), dtype=np.int64)
+
+  def _answer_chunk(self, prompts: list[Prompt], k: int, *, n: int, progress: Progress) -> float:
+    """Answers chunk k, stores the answers and writes the finished chunk.
+
+    Returns the seconds spent computing features apart from the decoding.
+    """
+    c: TargetResponsesConfig = self.builder_config
+    lo, hi = k * c.chunk_size, min(n, (k + 1) * c.chunk_size)
+    # Target distributions need the logits of every position: answer first,
+    # then one forward over the answers.
+    chunk = self._generate_chunk(prompts, lo=lo, hi=hi, progress=progress,
+                                 capture=not self.topk())
+    if self._store is not None:
+      self._store.save(k, chunk)
+    features_seconds = 0.0
+    if self.topk():
+      chunk = self._features_chunk(chunk)
+      features_seconds = float(chunk["features_seconds"])
+    self.chunks_generated += 1
+    save_npz_atomic(self._chunk_path(k), chunk)
+    return features_seconds
 
   def _generate_chunk(self, prompts: list[Prompt], *, lo: int, hi: int,
                       progress: Progress, capture: bool = True) -> dict[str, np.ndarray]:
