@@ -69,8 +69,12 @@ if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
   from dloop_jax.drafters.base import Drafter
 
 MODES = arguments.MODES
-# Longest drafting pause (rounds) by default with schedule="cost".
-DEFAULT_DRAFT_BACKOFF = 8
+# Longest drafting pause (rounds) by default with schedule="cost". On the 2-core
+# CPU a drafting stage costs about 40 % of a target step, so a drafter that keeps
+# failing is worth pausing for long: with the shipped drafters 64 measured ~3 %
+# faster than 8 overall (docs/benchmarks.md); a pause that long needs 7 fruitless
+# drafting rounds in a row, and the first accepted draft resets it.
+DEFAULT_DRAFT_BACKOFF = 64
 
 
 @dataclasses.dataclass(frozen=True)
