@@ -720,12 +720,16 @@ class TargetResponses(LocalBuilder):
       # The prompts the store has not answered come first: their taps are
       # captured while decoding, at no extra cost, and the store keeps growing
       # before the forwards over its stored answers (the second pass) start.
-      for k in order:
-        index = self._chunk_index(k, n=n)
-        if (self._store.load(k, expected_index=index) is None
-            and _load_chunk_if_exists(self._chunk_path(k), expected_index=index) is None):
-          totals["features_seconds"] += self._answer_chunk(prompts, k, n=n, progress=progress)
-          answered.add(k)
+      # The first pass reports its own progress: prompts to answer, and their ETA.
+      unanswered = [k for k in order if (
+          self._store.load(k, expected_index=self._chunk_index(k, n=n)) is None
+          and _load_chunk_if_exists(self._chunk_path(k),
+                                    expected_index=self._chunk_index(k, n=n)) is None)]
+      first = Progress(total=sum(len(self._chunk_index(k, n=n)) for k in unanswered), done=0,
+                       enabled=self._progress)
+      for k in unanswered:
+        totals["features_seconds"] += self._answer_chunk(prompts, k, n=n, progress=first)
+        answered.add(k)
     for position, k in enumerate(order):
       lo, hi = k * c.chunk_size, min(n, (k + 1) * c.chunk_size)
       path = self._chunk_path(k)
@@ -737,10 +741,8 @@ class TargetResponses(LocalBuilder):
       if arrays is None and answers is None and self._finished_chunks_only:
         missing.append(k)
         continue
-      if k in answered:
-        pass  # counted when it was answered
-      elif reused:
-        self.chunks_reused += 1
+      if arrays is not None:  # finished before this pass: not in its rate or ETA
+        self.chunks_reused += reused
         progress.done += hi - lo
         progress.start_done += hi - lo
       else:
