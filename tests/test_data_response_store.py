@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -92,12 +93,8 @@ def test_a_partly_answered_store_is_answered_first_then_read(builds, tmp_path):
   last = f"chunk_{order[-1]:05d}.npz"
   _, _, _, captured, store = builds
   partial = tmp_path / "answers"
-  (done,) = [d for d in os.listdir(store)]
-  os.makedirs(partial / done)
-  for name in os.listdir(store / done):
-    if name != last:
-      with open(store / done / name, "rb") as src, open(partial / done / name, "wb") as dst:
-        dst.write(src.read())
+  (done,) = os.listdir(store)
+  shutil.copytree(store / done, partial / done, ignore=lambda folder, names: [last])
   builder = _builder(tmp_path / "build", store=partial)
   calls = []
   for name in ("_generate_chunk", "_features_chunk"):

@@ -721,10 +721,7 @@ class TargetResponses(LocalBuilder):
       # captured while decoding, at no extra cost, and the store keeps growing
       # before the forwards over its stored answers (the second pass) start.
       # The first pass reports its own progress: prompts to answer, and their ETA.
-      unanswered = [k for k in order if (
-          self._store.load(k, expected_index=self._chunk_index(k, n=n)) is None
-          and _load_chunk_if_exists(self._chunk_path(k),
-                                    expected_index=self._chunk_index(k, n=n)) is None)]
+      unanswered = [k for k in order if not self._answered(k, n=n)]
       first = Progress(total=sum(len(self._chunk_index(k, n=n)) for k in unanswered), done=0,
                        enabled=self._progress)
       for k in unanswered:
@@ -792,6 +789,12 @@ class TargetResponses(LocalBuilder):
     """The prompt indices of chunk k (of n prompts)."""
     size = self.builder_config.chunk_size
     return np.arange(k * size, min(n, (k + 1) * size), dtype=np.int64)
+
+  def _answered(self, k: int, *, n: int) -> bool:
+    """Whether chunk k's answers are in the store or its finished arrays in the work directory."""
+    index = self._chunk_index(k, n=n)
+    return ((self._store is not None and self._store.load(k, expected_index=index) is not None)
+            or _load_chunk_if_exists(self._chunk_path(k), expected_index=index) is not None)
 
   def _answer_chunk(self, prompts: list[Prompt], k: int, *, n: int, progress: Progress) -> float:
     """Answers chunk k, stores the answers and writes the finished chunk.
