@@ -539,7 +539,7 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
   with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
     drafter_io.export_drafter(learned, tmp_path / "learned", format="hf")
   # A learned vector that is a row of the embedding is that row's token.
-  learned.mask_embed.value = target.embed[...][21]
+  learned.mask_embed[...] = target.embed[...][21]
   path = drafter_io.export_drafter(learned, tmp_path / "row", format="hf")
   with open(os.path.join(path, "config.json")) as f:
     assert json.load(f)["dflash_config"]["mask_token_id"] == 21
