@@ -255,12 +255,12 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
     out = jnp.transpose(jax.lax.optimization_barrier(
         jax.lax.dot_general(w, flat, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)))
-    return out.reshape(lead + (out.shape[-1],)), out_dtype
-  if rows == 1 and _is_half(w.dtype):
-    flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
-  out = jax.lax.dot_general(flat, w, (((1,), (contract,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-  return out[:rows].reshape(lead + (out.shape[-1],)), out_dtype
+  else:
+    if rows == 1 and _is_half(w.dtype):
+      flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
+    out = jax.lax.dot_general(flat, w, (((1,), (contract,)), ((), ())),
+                              preferred_element_type=jnp.float32)[:rows]
+  return out.reshape(lead + (out.shape[-1],)), out_dtype
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -183,4 +183,3 @@ def interleaved_runs(methods: Sequence[Any], prompt_ids: Sequence[int], *, repea
       runs[id(m)].append(timed_run(m, prompt_ids))
   return {key: sorted(rs, key=lambda run: run.seconds)[(len(rs) - 1) // 2]
           for key, rs in runs.items()}
-
