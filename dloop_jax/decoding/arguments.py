@@ -63,6 +63,26 @@ def validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, tar
   validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
 
 
+def validate_fixed_width(*, fixed_width, mode, block_size, max_stages, schedule,
+                         tree_budget) -> None:
+  """`generate(fixed_width=...)`: every target forward at one width."""
+  if not is_int(fixed_width) or fixed_width < 0:
+    raise ConfigError(f"fixed_width must be an int >= 0 (0 = each forward as wide as its"
+                      f" tokens), got {fixed_width!r}.")
+  if not fixed_width or mode == "ar":
+    return
+  if is_int(tree_budget) and tree_budget > 0:
+    raise ConfigError("fixed_width applies to chains of drafts; use tree_budget=0 with it.")
+  if schedule != "off":
+    raise ConfigError(f"fixed_width verifies every draft (a narrower verification would be"
+                      f" another program shape): use schedule='off', got {schedule!r}.")
+  stages = 1 if mode == "sd" else max_stages
+  if is_int(block_size) and is_int(stages) and fixed_width < 1 + stages * block_size:
+    raise ConfigError(f"fixed_width={fixed_width} is narrower than a verification of every draft"
+                      f" (1 + {stages} stage(s) x block_size {block_size} ="
+                      f" {1 + stages * block_size} tokens): pass at least that.")
+
+
 def validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
   """The tree-specific part of `validate`."""
   if tree_budget == 0:

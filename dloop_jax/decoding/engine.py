@@ -95,6 +95,7 @@ class _Static:
   capacity: int
   tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains (`decoding.tree_round`)
   grow_cache: bool = False  # "ar" only: the cache grows in steps (`cache_ladder`)
+  fixed_width: int = 0  # every target forward after prefill has this width (0: as needed)
 
   @property
   def draft_width(self) -> int:
@@ -102,13 +103,15 @@ class _Static:
 
   @property
   def verify_width(self) -> int:
-    return 1 + self.draft_width
+    return max(1 + self.draft_width, self.fixed_width)
 
   @property
   def widths(self) -> tuple[int, ...]:
     """The compiled verification widths."""
     if self.mode == "ar":
       return (1,)
+    if self.fixed_width:
+      return (self.fixed_width,)
     # A tree's stage holds tree_budget nodes where a chain's holds gamma drafts.
     widths = schedule_lib.verify_widths(block_size=self.tree_budget or self.block_size,
                                         max_stages=self.max_stages, schedule=self.schedule)
@@ -199,6 +202,9 @@ def _verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache
       (sampling only).
     num_verified: [B] drafts to verify, at most `widths[branch] - 1`.
   """
+  if widths[-1] - 1 > drafts.shape[1]:  # a fixed width wider than the drafts
+    drafts = _pad_axis1(drafts, widths[-1] - 1)
+    probs = None if probs is None else _pad_axis1(probs, widths[-1] - 1)
   pad_to = 1 + drafts.shape[1]
   starts = cache.lengths
   # With several widths, each branch only reads the cache (a branch that wrote
@@ -252,6 +258,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   gamma = s.block_size
   w_max = s.verify_width
   widths = s.widths
+  step_width = s.fixed_width or 1  # tokens a plain decode step's forward reads
 
   # ------------------------------------------------------------------ prefill
   ladder = cache_ladder(prompt_width=tp, capacity=cap) if s.grow_cache else (cap,)
@@ -311,28 +318,36 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
   def target_step(lp: _Loop, taps: tuple[int, ...]):
     """The target reads the pending token (cache written in place) and picks the next one.
 
-    Returns the forward's output, the token [B], and its commit counts / finished [B].
+    With a fixed width the token is the first of `fixed_width` (the rest
+    padding, written to slots past the row's length, which mask them and which
+    the next write reuses), so that the step runs the same program shape as a
+    verification.
+
+    Returns the cache (lengths unchanged), the taps at the token [B, 1, n, D],
+    the next token [B], and its commit counts / finished [B].
     """
     starts = lp.cache.lengths
-    o = target(lp.pending[:, None], positions=starts[:, None], cache=lp.cache, taps=taps)
+    tokens = _pad_axis1(lp.pending[:, None], step_width)
+    positions = starts[:, None] + jnp.arange(step_width)[None, :]
+    o = target(tokens, positions=positions, cache=lp.cache, taps=taps)
     token = sampling_lib.next_token(jax.random.fold_in(key, lp.round), o.logits[:, 0], s.sampling)
     counts, finished = finish_lib.commit_counts(
         new_tokens=token[:, None], num_valid=(~lp.done).astype(jnp.int32), num_new=lp.num_new,
         max_new_tokens=max_new_tokens, stop=stop)
-    return o, token, counts, finished
+    return o.cache.with_lengths(starts), o.taps[:, :1], token, counts, finished
 
   def ar_round(lp: _Loop) -> _Loop:
     active = ~lp.done
     starts = lp.cache.lengths
-    o, token, counts, finished = target_step(lp, s.capture_taps)
+    cache, tapped, token, counts, finished = target_step(lp, s.capture_taps)
     features = lp.features
     if s.capture_taps:
-      features = kv_lib.write_rows(features, o.taps, starts)
+      features = kv_lib.write_rows(features, tapped, starts)
     st = lp.stats
     st = st.replace(rounds=st.rounds + active, committed=st.committed + counts,
-                    target_tokens=st.target_tokens + active)
+                    target_tokens=st.target_tokens + active * step_width)
     return lp.replace(
-        cache=o.cache.with_lengths(jnp.where(active, starts + 1, starts)),
+        cache=cache.with_lengths(jnp.where(active, starts + 1, starts)),
         pending=jnp.where(active, token, lp.pending),
         out=kv_lib.write_rows(lp.out, token[:, None], lp.num_new),
         num_new=lp.num_new + counts, done=lp.done | finished, features=features,
@@ -413,16 +428,17 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     active = ~lp.done
     act = active.astype(jnp.int32)
     starts = lp.cache.lengths
-    o, token, counts, finished = target_step(lp, drafter.taps)
+    cache, tapped, token, counts, finished = target_step(lp, drafter.taps)
     committed = counts > 0
-    deferred = deferred_lib.push(lp.deferred, token=lp.pending, features=o.taps,
+    deferred = deferred_lib.push(lp.deferred, token=lp.pending, features=tapped,
                                  next_token=token, committed=committed)
     st = lp.stats
     st = st.replace(rounds=st.rounds + act, committed=st.committed + counts,
-                    plain_rounds=st.plain_rounds + act, target_tokens=st.target_tokens + act,
+                    plain_rounds=st.plain_rounds + act,
+                    target_tokens=st.target_tokens + act * step_width,
                     stage_hist=st.stage_hist.at[:, 0].add(act))
     return lp.replace(
-        cache=o.cache.with_lengths(jnp.where(committed, starts + 1, starts)),
+        cache=cache.with_lengths(jnp.where(committed, starts + 1, starts)),
         deferred=deferred, pending=jnp.where(committed, token, lp.pending),
         out=kv_lib.write_rows(lp.out, token[:, None], lp.num_new),
         num_new=lp.num_new + counts, done=lp.done | finished, stats=st,
@@ -452,9 +468,10 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     for i, slots in enumerate(ladder):
       if i:
         loop = loop.replace(cache=loop.cache.grow(slots))
-      # A step writes slot `lengths` of every row: it needs one free slot.
+      # A step writes slots `lengths` .. `lengths + width - 1` of every row.
       loop = jax.lax.while_loop(
-          lambda lp, slots=slots: cond(lp) & (jnp.max(lp.cache.lengths) < slots), ar_round, loop)
+          lambda lp, slots=slots: cond(lp) & (jnp.max(lp.cache.lengths) + step_width <= slots),
+          ar_round, loop)
   else:
     loop = jax.lax.while_loop(cond, round_then_pauses, loop)
   return loop.out, loop.num_new, loop.stats, loop.features
@@ -511,6 +528,7 @@ def _prepare(
     tree_budget: int = 0,
     confidence: str = "auto",
     grow_cache: bool = False,
+    fixed_width: int = 0,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
   if block_size is None and drafter is not None:
@@ -518,7 +536,11 @@ def _prepare(
   if mode == "sd":
     max_stages = 1
   if schedule is None:
-    schedule = "off" if (arguments.is_int(tree_budget) and tree_budget > 0) else "cost"
+    schedule = ("off" if (arguments.is_int(tree_budget) and tree_budget > 0) or fixed_width
+                else "cost")
+  arguments.validate_fixed_width(fixed_width=fixed_width, mode=mode, block_size=block_size,
+                                 max_stages=max_stages, schedule=schedule,
+                                 tree_budget=tree_budget)
   arguments.validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
             max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
             schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget,
@@ -530,6 +552,8 @@ def _prepare(
   if grow_cache and mode != "ar":
     raise ConfigError("grow_cache is only supported in mode='ar' (speculative modes verify"
                       " several tokens per forward into a cache of fixed size).")
+  if grow_cache and fixed_width:
+    raise ConfigError("grow_cache and fixed_width do not combine: use one of the two.")
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ConfigError("Every prompt needs at least one token.")
@@ -552,8 +576,9 @@ def _prepare(
   tp = _bucket(longest)
   # Room past the last token for the widest write: a verification, or the
   # drafter's commit of a pause (`deferred`), which starts before the end.
-  capacity = _bucket(tp + max_new_tokens + max(s_max * gamma, deferred_lib.CAPACITY) + 1,
-                     minimum=64)
+  capacity = _bucket(
+      tp + max_new_tokens + max(s_max * gamma, deferred_lib.CAPACITY, fixed_width) + 1,
+      minimum=64)
   target_graph, target_state = nnx.split(target)
   drafter_graph, drafter_params = (nnx.split(drafter) if (drafter is not None and not is_ar)
                                    else (None, None))
@@ -563,7 +588,7 @@ def _prepare(
       stop_slots=_stop_slots(len(stops)),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
       prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0,
-      grow_cache=bool(grow_cache))
+      grow_cache=bool(grow_cache), fixed_width=int(fixed_width))
 
   padded = np.zeros((len(prompts), tp), np.int32)
   for i, p in enumerate(prompts):
@@ -621,6 +646,7 @@ def generate(
     tree_budget: int = 0,
     confidence: str = "auto",
     grow_cache: bool = False,
+    fixed_width: int = 0,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -671,6 +697,16 @@ def generate(
       live context instead of the whole capacity: faster long generations
       (dataset builds), a longer compile. Same tokens and taps up to
       floating-point summation order.
+    fixed_width: W > 0 runs every target forward after prefill at width W:
+      decode steps padded to W tokens, verifications of every draft padded to
+      W (W >= 1 + max_stages * block_size; schedule "off"; chains only).
+      Every forward is then the same program shape, in which XLA computes a
+      token's row with the same bits wherever it sits, so greedy outputs of
+      all modes run with the same W are bit-identical, in bf16 weights too
+      (at varying widths bf16 products round differently and only f32 stays
+      within the near-tie rule: docs/decoding.md). Worth it where a W-token
+      forward costs about a one-token step (bf16 weights on CPUs with AMX,
+      accelerators). 0 (default): each forward as wide as its tokens.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -680,7 +716,7 @@ def generate(
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
       stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
       draft_backoff=draft_backoff, tree_budget=tree_budget, confidence=confidence,
-      grow_cache=grow_cache)
+      grow_cache=grow_cache, fixed_width=fixed_width)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages
