@@ -138,10 +138,10 @@ def _hidden(drafter, batch, n, num_stages):
       block_size=GAMMA, num_stages=num_stages))(drafter, jax.tree.map(jnp.asarray, batch))
 
 
-def _head_logits(drafter, h, prev):
+def _head_logits(drafter, h, prev, head_rows=None):
   if isinstance(drafter, DSparkDrafter):
-    return drafter.head_logits(h, prev)
-  return drafter.corrected_logits(h, prev)[1]
+    return drafter.head_logits(h, prev, head_rows=head_rows)
+  return drafter.corrected_logits(h, prev, head_rows=head_rows)[1]
 
 
 def test_draft_stage_matches_teacher_forced_heads(learnable, drafters, kind):
@@ -165,7 +165,8 @@ def test_draft_stage_matches_teacher_forced_heads(learnable, drafters, kind):
                                                 block_size=GAMMA, sampling=GREEDY)
     tokens = np.asarray(drafted.tokens)
     prev = np.concatenate([anchors[stage][:, None], tokens[:, :-1]], axis=1)
-    logits = _head_logits(drafter, hs[stage][:, 0], jnp.asarray(prev))
+    # With the head rows inference reads (bf16: `block.DRAFT_HEAD_DTYPE`).
+    logits = _head_logits(drafter, hs[stage][:, 0], jnp.asarray(prev), state.head_rows)
     np.testing.assert_array_equal(tokens, np.asarray(jnp.argmax(logits, -1)))
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(tokens)[..., None], -1)
     np.testing.assert_allclose(drafted.logprobs, logp[..., 0], atol=1e-5)

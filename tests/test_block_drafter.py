@@ -84,8 +84,8 @@ def test_sampling_first_two_tokens(tiny, drafters, mode):
   assert reference.chi_square_pvalue(samples, exact)[0] > 1e-3
 
 
-def _stage_predictions(drafter, h):
-  logits = drafter.draft_logits(h)
+def _stage_predictions(drafter, h, head_rows):
+  logits = drafter.draft_logits(h, head_rows=head_rows)
   return np.asarray(jnp.argmax(logits, -1)), np.asarray(
       jnp.max(jax.nn.log_softmax(logits), axis=-1))
 
@@ -102,14 +102,19 @@ def test_train_stages_match_inference(examples, drafters):
   state = draft_training.commit_prefix(drafter, batch["tokens"], batch["features"], n)
   state, first = draft_training.draft_stage(drafter, state, jax.random.key(0), block_size=gamma,
                                             sampling=GREEDY)
-  tokens, logprobs = _stage_predictions(drafter, hs[0][:, 0])
+  # Inference reads the head in bf16 (`block.DRAFT_HEAD_DTYPE`); the same head
+  # over the training path's outputs gives the same drafts and log-probabilities.
+  assert state.head_rows.dtype == jnp.bfloat16
+  tokens, logprobs = _stage_predictions(drafter, hs[0][:, 0], state.head_rows)
   np.testing.assert_array_equal(first.tokens, tokens)
   np.testing.assert_allclose(first.logprobs, logprobs, atol=1e-5)
+  _, f32_logprobs = _stage_predictions(drafter, hs[0][:, 0], None)
+  np.testing.assert_allclose(first.logprobs, f32_logprobs, atol=0.05)
   # Stage 2 anchored at the ground-truth token (training uses ground-truth inputs).
   state = state.replace(anchor=jnp.asarray(batch["tokens"][:, n + gamma]))
   _, second = draft_training.draft_stage(drafter, state, jax.random.key(0), block_size=gamma,
                                          sampling=GREEDY)
-  tokens, logprobs = _stage_predictions(drafter, hs[1][:, 0])
+  tokens, logprobs = _stage_predictions(drafter, hs[1][:, 0], state.head_rows)
   np.testing.assert_array_equal(second.tokens, tokens)
   np.testing.assert_allclose(second.logprobs, logprobs, atol=1e-5)
 

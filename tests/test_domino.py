@@ -128,7 +128,8 @@ def test_dartree_nodes_score_their_corrected_paths(learnable, drafters):
     paths[:, :, d + 1] = np.take_along_axis(beams.tokens[:, d], slot, 1)
     slot = np.take_along_axis(beams.parents[:, d], slot, 1) if d else slot
   hs = jnp.broadcast_to(h[:, None], (b, w) + h.shape[1:])
-  _, logits = drafter.corrected_logits(hs, jnp.asarray(paths[..., :-1]))
+  _, logits = drafter.corrected_logits(hs, jnp.asarray(paths[..., :-1]),
+                                       head_rows=state.head_rows)  # inference's bf16 head
   logp = jax.nn.log_softmax(logits)
   want = np.take_along_axis(np.asarray(logp), paths[..., 1:, None], -1)[..., 0].sum(-1)
   np.testing.assert_allclose(beams.scores[:, -1], want, atol=1e-4)
