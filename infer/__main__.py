@@ -65,8 +65,13 @@ def _parse(argv):
                       " DDTree; EAGLE-3: dynamic tree) and verify it in one target forward;"
                       " 0: chains")
   p.add_argument("--draft-backoff", type=int, default=None,
-                 help="longest pause (rounds) of drafting after fruitless rounds (default: 8"
+                 help="longest pause (rounds) of drafting after fruitless rounds (default: 64"
                       " with --schedule cost, 0 with off)")
+  p.add_argument("--fixed-width", type=int, default=0,
+                 help="W > 0: every target forward after prefill W tokens wide (decode steps"
+                      " padded, every draft verified; W >= 1 + S_max * gamma): every mode's"
+                      " greedy output then equals --mode ar --fixed-width W bit for bit, bf16"
+                      " weights included (docs/decoding.md)")
   p.add_argument("--costs", default=None,
                  help="JSON cost table to schedule with (default: $DLOOP_COSTS, else the"
                       " cached table of the target, measured on first use; see"
@@ -135,7 +140,7 @@ def main(argv=None) -> int:
                      max_stages=args.max_stages, sampling=sampling, seed=args.seed,
                      stop_tokens=stop, schedule=args.schedule, costs=args.costs,
                      draft_backoff=args.draft_backoff, tree_budget=args.tree_budget,
-                     confidence=args.confidence)
+                     confidence=args.confidence, fixed_width=args.fixed_width)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
                 drafter=drafter, tok=tok)

@@ -97,3 +97,15 @@ def test_fixed_width_arguments_are_checked(tiny):
     generate(tiny, prompts, max_new_tokens=4, fixed_width=-1)
   with pytest.raises(ConfigError, match="do not combine"):
     generate(tiny, prompts, max_new_tokens=4, fixed_width=4, grow_cache=True)
+
+
+def test_benchmark_methods_at_a_fixed_width(tiny):
+  from infer.bench import methods  # pylint: disable=g-import-not-at-top
+  drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=3)
+  ar = methods.Ours(method="ar", target=tiny, max_new_tokens=24, fixed_width=WIDTH)
+  sd = methods.Ours(method="sd", target=tiny, drafter=drafter, drafter_label="p", block_size=3,
+                    max_new_tokens=24, schedule="off", fixed_width=WIDTH)
+  assert (ar.label, sd.label) == (f"ar/w{WIDTH}", f"sd/all/w{WIDTH}[p]")
+  want, got = ar.run([5, 9, 2]), sd.run([5, 9, 2])
+  assert got.tokens == want.tokens
+  assert got.target_tokens == WIDTH * got.rounds and want.target_tokens == WIDTH * want.rounds

@@ -92,6 +92,11 @@ def _parse(argv):
   p.add_argument("--tree-schedules", default="off",
                  help="verification schedules of the tree rows: off (the whole tree;"
                       " sd/treeB/all, dloop/treeB/all) and / or cost (the best nodes that pay)")
+  p.add_argument("--fixed-widths", type=_ints, default=[],
+                 help="also run our ar at each fixed forward width W (ar/wW), and sd / dloop"
+                      " at the smallest W that holds their verification (mode/all/wW: every"
+                      " target forward W tokens wide, every draft verified; outputs must equal"
+                      " ar/wW's bit for bit, bf16 weights included; docs/decoding.md)")
   p.add_argument("--repeats", type=int, default=1,
                  help="time each prompt this many times, the methods interleaved, and keep"
                       " each method's median run (steadier ratios on a noisy machine)")
@@ -202,6 +207,9 @@ def main(argv=None) -> int:
     tree_schedules = _names(args.tree_schedules)
     if any(x not in ("cost", "off") for x in tree_schedules):
       raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
+    if any(w < 1 for w in args.fixed_widths):
+      raise DLoopError(f"--fixed-widths takes widths >= 1, got {args.fixed_widths}.")
+    fixed_widths = sorted(set(args.fixed_widths))
     t0 = time.perf_counter()
     target = registry.load_target(args.target, weights=args.weights)
     tok = target.tokenizer
@@ -271,6 +279,23 @@ def main(argv=None) -> int:
                 block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
                 schedule=schedule, costs=costs, draft_backoff=args.draft_backoff,
                 tree_budget=budget, **common))
+    for width in fixed_widths:
+      methods.append(methods_lib.Ours(method="ar", target=target.model, fixed_width=width,
+                                      **common))
+    for label, d in drafters:
+      gamma = args.block_size or d.block_size
+      for mode in modes:
+        need = 1 + (args.max_stages if mode == "dloop" else 1) * gamma
+        width = next((w for w in fixed_widths if w >= need), None)
+        if fixed_widths and width is None:
+          _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
+               f" {fixed_widths}; skipped")
+        if width is None:
+          continue
+        methods.append(methods_lib.Ours(
+            method=mode, target=target.model, drafter=d, drafter_label=label,
+            block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
+            schedule="off", draft_backoff=args.draft_backoff, fixed_width=width, **common))
     threads = os.cpu_count() or 1
     if not args.no_peers:
       hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
@@ -289,9 +314,12 @@ def main(argv=None) -> int:
     for i, (p, ids) in enumerate(prompts):
       runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
-      ar_tokens = recs[0]["tokens"]
-      for rec in recs:
-        _check_against_ar(target.model, ids, ar_tokens, rec, greedy=sampling.greedy)
+      # At a fixed width the reference is our ar at that width (bit-identical outputs).
+      ar_tokens = {getattr(m, "fixed_width", 0): rec["tokens"] for m, rec in zip(methods, recs)
+                   if getattr(m, "method", "") == "ar"}
+      for m, rec in zip(methods, recs):
+        _check_against_ar(target.model, ids, ar_tokens[getattr(m, "fixed_width", 0)], rec,
+                          greedy=sampling.greedy)
       records.extend(recs)
       parts = []
       for m, rec in zip(methods, recs):

@@ -64,14 +64,17 @@ class Ours:
   costs: Any = None  # the scheduler's cost table (None: generate()'s default)
   draft_backoff: int | None = None  # None: generate()'s default for the schedule
   tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains
+  fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
 
   @property
   def method_name(self) -> str:
-    """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is verified."""
+    """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is
+    verified, "/wW" at a fixed forward width W."""
+    width = f"/w{self.fixed_width}" if self.fixed_width else ""
     if self.method == "ar":
-      return self.method
+      return self.method + width
     name = self.method + (f"/tree{self.tree_budget}" if self.tree_budget else "")
-    return f"{name}/all" if self.schedule == "off" else name
+    return (f"{name}/all" if self.schedule == "off" else name) + width
 
   @property
   def label(self) -> str:
@@ -87,7 +90,7 @@ class Ours:
         max_stages=self.max_stages if max_stages is None else max_stages,
         sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
         schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff,
-        tree_budget=self.tree_budget)
+        tree_budget=self.tree_budget, fixed_width=self.fixed_width)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,
