@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from dloop_jax.decoding import generate
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import load_target
 from dloop_jax.models.registry import weight_dtype
-from dloop_jax.models.transformer import MATRIX_WEIGHTS, Transformer, dense, project_rows
+from dloop_jax.models.transformer import MATRIX_WEIGHTS, Transformer, dense, project_rows, take_rows
 from lossless import assert_same_or_near_tie
 
 
@@ -103,3 +104,33 @@ def test_greedy_lossless_with_bf16_weights(tiny_bf16, gamma, max_stages, batch):
                      block_size=gamma, gate=gate, max_stages=max_stages)
       for p, want, got in zip(prompts, ar.tokens, out.tokens):
         assert_same_or_near_tie(tiny_bf16, p, want, got)
+
+
+@pytest.mark.parametrize("take", ["take_rows", "jnp.take"])
+def test_a_bf16_table_is_not_converted_whole_to_gather_rows_in_a_loop(take):
+  rng = np.random.default_rng(0)
+  table = jnp.asarray(rng.standard_normal((512, 48)), jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(0, 512, (6,)), jnp.int32)
+  gather = take_rows if take == "take_rows" else (lambda t, i: jnp.take(t, i, axis=0))
+
+  def rows(table, ids):  # a decode loop: one row per step
+    def step(carry, i):
+      return carry, gather(table, i[None]).astype(jnp.float32)[0]
+    return jax.lax.scan(step, 0.0, ids)[1]
+
+  program = jax.jit(rows).lower(table, ids).compile()
+  np.testing.assert_array_equal(np.asarray(program(table, ids)),
+                                np.asarray(table, np.float32)[np.asarray(ids)])
+  # A whole-table f32 / u16 array outside fusion bodies: a buffer of its own
+  # (inside a fusion, a converted operand is computed only where the gather reads).
+  whole, in_fusion_body = [], False
+  for line in program.as_text().splitlines():
+    if line and not line.startswith(" "):  # a computation's header
+      in_fusion_body = "_computation" in line.split("(")[0]
+    elif not in_fusion_body and re.search(r"= (f32|u16)\[512,48\]\{[0-9,]*\} \S+\(", line):
+      if not re.search(r"(parameter|get-tuple-element)\(", line):
+        whole.append(line.strip())
+  if take == "take_rows":
+    assert not whole, whole[:3]
+  else:  # what take_rows avoids (if XLA stops doing it, take_rows can go)
+    assert whole

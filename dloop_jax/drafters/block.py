@@ -64,7 +64,7 @@ from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import Transformer, project_rows, rms_norm
+from dloop_jax.models.transformer import Transformer, project_rows, rms_norm, take_rows
 
 
 @struct.dataclass
@@ -237,7 +237,7 @@ class BlockDrafter(Drafter):
   def block_inputs(self, anchor: jax.Array, block_size: int) -> jax.Array:
     """Anchor tokens [...] -> block inputs [..., 1 + gamma, D]: [embed(anchor), M x gamma]."""
     m = self.mask_input()
-    emb = jnp.take(self.embed[...], anchor, axis=0).astype(m.dtype)
+    emb = take_rows(self.embed[...], anchor).astype(m.dtype)
     mask = jnp.broadcast_to(m, anchor.shape + (block_size, emb.shape[-1]))
     return jnp.concatenate([emb[..., None, :], mask], axis=-2)
 

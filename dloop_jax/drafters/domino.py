@@ -49,7 +49,7 @@ from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.drafters.base import DraftStage, TreeStage
 from dloop_jax.drafters.block import BlockDrafter, BlockState
 from dloop_jax.drafters.spec import DrafterSpec
-from dloop_jax.models.transformer import Transformer, rms_norm
+from dloop_jax.models.transformer import Transformer, rms_norm, take_rows
 
 
 @struct.dataclass
@@ -108,7 +108,7 @@ class DominoDrafter(BlockDrafter):
   # ------------------------------------------------------------------- head
   def gru_inputs(self, tokens: jax.Array) -> jax.Array:
     """Tokens [...] -> GRU input projections [..., 3G] (training: no table)."""
-    e = jnp.take(self.embed[...], tokens, axis=0).astype(self.gru_w_ih[...].dtype)
+    e = take_rows(self.embed[...], tokens).astype(self.gru_w_ih[...].dtype)
     return e @ self.gru_w_ih[...].T
 
   def prefix_states(self, gi: jax.Array) -> jax.Array:

@@ -49,7 +49,7 @@ from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts  # no
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import Transformer, attention, rms_norm
+from dloop_jax.models.transformer import Transformer, attention, rms_norm, take_rows
 
 # Dynamic draft trees: frontier nodes expanded per depth, and children kept per
 # node (EAGLE-2's top-k, 10 there); capped by the tree budget. At 8 a depth-4
@@ -180,7 +180,7 @@ class Eagle3Drafter(Drafter):
     """q [B, T, N, H], k, v [B, T, K, H] of pairs (feature [B, T, D], token [B, T])."""
     s = self.spec
     b, t = tokens.shape
-    emb = jnp.take(self.embed[...], tokens, axis=0).astype(feature.dtype)
+    emb = take_rows(self.embed[...], tokens).astype(feature.dtype)
     x = jnp.concatenate([rms_norm(emb, self.input_norm[...], self.eps),
                          rms_norm(feature, self.hidden_norm[...], self.eps)], axis=-1)
     qkv = x @ self.wqkv[...]

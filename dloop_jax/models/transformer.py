@@ -274,6 +274,23 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   return out.astype(dtype)
 
 
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """table[ids] along axis 0: [V, D], ids [...] -> [..., D] in table's dtype.
+
+  A 16-bit table is gathered as its raw 16-bit patterns. Gathered as bf16,
+  XLA:CPU converts the whole table to f32 for the gather and hoists that out
+  of the loop around it (SmolLM2's 49,152 x 576 embedding: 87 ms in every
+  EAGLE-3 drafting stage on a bf16 target, 120 ms a stage instead of 9).
+  """
+  if not _is_half(table.dtype):
+    return jnp.take(table, ids, axis=0)
+  # Tied to the ids, the table is no loop invariant: XLA cannot hoist (and
+  # materialize) its reinterpretation out of a decode loop.
+  table, ids = jax.lax.optimization_barrier((table, ids))
+  bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+  return jax.lax.bitcast_convert_type(bits, table.dtype)
+
+
 def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   """hidden [..., D] @ rows[V, D].T -> f32 [..., V], without transposing `rows`.
 
@@ -564,7 +581,7 @@ class Transformer(nnx.Module):
 
   # ----------------------------------------------------------------- forward
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    return jnp.take(self.embed[...], tokens, axis=0)
+    return take_rows(self.embed[...], tokens)
 
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> f32 logits [..., V]."""
