@@ -18,7 +18,11 @@ from flax import nnx
 from dloop_jax.models import LoadedTarget, gguf_loader, load_target
 from dloop_jax.models.transformer import Transformer
 
-torch.set_num_threads(2)
+# One thread per test process: pytest-xdist runs a worker per core, and torch's
+# OpenMP threads spin-wait for a core the other worker holds (a [1, 576] x
+# [576, 3072] product took 7.1 ms with 2 threads, 0.3 ms with 1, while another
+# process kept one of the 2 cores busy).
+torch.set_num_threads(1)
 
 REAL_MODEL = "smollm2-135m-instruct"
 

@@ -28,7 +28,7 @@ from dloop_jax.errors import (CheckpointFormatError, ConfigError, DrafterMismatc
                               ModelLoadError)
 from dloop_jax.models.config import tiny_target
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # see model_fixtures
 
 # The tiny target: 4 layers, D 32, vocab 64, RoPE theta 10000, eps 1e-5. The
 # checkpoints use their own attention shape (2 heads / 1 kv head of 16, MLP 48).

@@ -24,7 +24,7 @@ from dloop_jax.models.gguf_loader import load_gguf
 from dloop_jax.models.hf_loader import load_hf_dir
 from dloop_jax.models.transformer import WEIGHTS_LEFT_MAX_ROWS, Transformer, project_rows
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # see model_fixtures
 
 TINY_TOL = 1e-4
 def _tokens(vocab: int, *, batch: int = 2, length: int = 13, seed: int = 0) -> np.ndarray:
