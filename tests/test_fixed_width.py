@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import drafter_fixtures
-from dloop_jax.decoding import generate
+import reference
+from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.transformer import Transformer
 
@@ -79,6 +80,21 @@ def test_greedy_outputs_of_every_mode_equal_ar_bit_for_bit(target, batch):
         assert all(r.stage_histogram[2:] == [0, 0] for r in out.rows)
       if gate == -math.inf:  # every drafting round drafts all three stages
         assert all(r.stage_histogram[1:3] == [0, 0] for r in out.rows)
+
+
+@pytest.mark.parametrize("mode,gamma", [("sd", 3), ("dloop", 2)])
+def test_sampling_keeps_the_target_distribution_at_a_fixed_width(tiny, mode, gamma):
+  # The drafts are padded to the width (sd: 3 drafts in a 7-wide forward).
+  drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=3)
+  sampling = SamplingConfig(temperature=1.0, top_k=5)
+  prompt, n = [3, 14, 15], 3000
+  out = generate(tiny, [prompt] * n, max_new_tokens=2, mode=mode, drafter=drafter,
+                 block_size=gamma, gate=-math.inf, max_stages=3, sampling=sampling, seed=5,
+                 fixed_width=WIDTH, draft_backoff=0)
+  assert sum(r.accepted for r in out.rows) > 0  # drafts were accepted, not only bonus tokens
+  samples = [tuple(t[:2]) for t in out.tokens]
+  exact = reference.exact_distribution(tiny, prompt, sampling, depth=2)
+  assert reference.chi_square_pvalue(samples, exact)[0] > 1e-3
 
 
 def test_fixed_width_arguments_are_checked(tiny):
