@@ -23,6 +23,10 @@ minimum over the batch):
     accept:    k_b <= v_b drafts, plus the bonus token; roll the caches back to
                n + 1 + k_b by setting lengths.
 
+With `fixed_width=W` every target forward after prefill is W tokens wide
+(plain steps padded, every draft verified), so that all modes at one W give
+bit-identical greedy outputs in any weight dtype (docs/decoding.md).
+
 With `tree_budget=B > 0` a round drafts, verifies and accepts a draft tree
 instead (`decoding.tree_round`: top-B prefixes per stage, one forward over the
 whole tree, the walk, compaction of the accepted path).
