@@ -63,6 +63,11 @@ def validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, tar
   validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
 
 
+def full_verification_width(*, mode: str, block_size: int, max_stages: int) -> int:
+  """Tokens of a verification of every draft: 1 + stages * gamma (sd: one stage)."""
+  return 1 + (1 if mode == "sd" else max_stages) * block_size
+
+
 def validate_fixed_width(*, fixed_width, mode, block_size, max_stages, schedule,
                          tree_budget) -> None:
   """`generate(fixed_width=...)`: every target forward at one width."""
@@ -77,10 +82,13 @@ def validate_fixed_width(*, fixed_width, mode, block_size, max_stages, schedule,
     raise ConfigError(f"fixed_width verifies every draft (a narrower verification would be"
                       f" another program shape): use schedule='off', got {schedule!r}.")
   stages = 1 if mode == "sd" else max_stages
-  if is_int(block_size) and is_int(stages) and fixed_width < 1 + stages * block_size:
+  if not (is_int(block_size) and is_int(stages)):
+    return  # `validate` names the bad value
+  need = full_verification_width(mode=mode, block_size=block_size, max_stages=max_stages)
+  if fixed_width < need:
     raise ConfigError(f"fixed_width={fixed_width} is narrower than a verification of every draft"
-                      f" (1 + {stages} stage(s) x block_size {block_size} ="
-                      f" {1 + stages * block_size} tokens): pass at least that.")
+                      f" (1 + {stages} stage(s) x block_size {block_size} = {need} tokens):"
+                      " pass at least that.")
 
 
 def validate_tree(*, mode, drafter, block_size, tree_budget) -> None:

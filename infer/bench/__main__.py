@@ -181,6 +181,7 @@ def main(argv=None) -> int:
   enable_compilation_cache()
 
   from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
@@ -282,15 +283,14 @@ def main(argv=None) -> int:
     for width in fixed_widths:
       methods.append(methods_lib.Ours(method="ar", target=target.model, fixed_width=width,
                                       **common))
-    for label, d in drafters:
-      gamma = args.block_size or d.block_size
+    for label, d in (drafters if fixed_widths else ()):
       for mode in modes:
-        need = 1 + (args.max_stages if mode == "dloop" else 1) * gamma
+        need = arguments.full_verification_width(
+            mode=mode, block_size=args.block_size or d.block_size, max_stages=args.max_stages)
         width = next((w for w in fixed_widths if w >= need), None)
-        if fixed_widths and width is None:
+        if width is None:
           _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
                f" {fixed_widths}; skipped")
-        if width is None:
           continue
         methods.append(methods_lib.Ours(
             method=mode, target=target.model, drafter=d, drafter_label=label,
