@@ -57,6 +57,19 @@ def test_save_restore_keep_last_k(tmp_path):
   checkpointer.close()
 
 
+def test_close_waits_for_the_cleanup_of_killed_saves(tmp_path):
+  # What a process killed mid-save leaves; orbax removes it on a thread that
+  # its own close() does not wait for (the process then dies printing a
+  # traceback from that thread).
+  leftovers = ["5.orbax-checkpoint-tmp-1234", "6.orbax-checkpoint-tmp"]
+  for name in leftovers:
+    (tmp_path / name / "params").mkdir(parents=True)
+    (tmp_path / name / "params" / "data").write_bytes(b"\x00" * 64)
+  checkpointer = ckpt_lib.Checkpointer(tmp_path)
+  checkpointer.close()
+  assert not [n for n in os.listdir(tmp_path) if n in leftovers]
+
+
 def test_corrupted_latest_falls_back_and_says_so(tmp_path, caplog):
   directory = tmp_path / "ckpt"
   checkpointer = ckpt_lib.Checkpointer(directory, keep=3)

@@ -169,7 +169,16 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for the save in flight and for the start-up cleanup, then closes.
+
+    `CheckpointManager.close` does not wait for the thread that removes the
+    temporary directories of killed saves (only the next `save` does); a
+    process that ends before it finishes prints that thread's traceback.
+    """
     self._manager.wait_until_finished()
+    cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+    if cleanup is not None:
+      cleanup.result()
     self._manager.close()
 
   # ---------------------------------------------------------------- restore

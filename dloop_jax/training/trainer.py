@@ -700,25 +700,13 @@ class TrainResult:
   stopped_early: bool = False  # eval.patience ended the run before num_steps
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks | None = None,
-          devices: list[jax.Device] | None = None) -> TrainResult:
-  """Trains (or resumes training) a drafter in `workdir`; see the module docstring."""
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  trainer = Trainer(config, hooks=hooks, devices=devices)
-  hooks = trainer.hooks
-  c = config
-  num_steps = int(c.num_steps)
+def _restore_or_initialize(c: ml_collections.ConfigDict, trainer: "Trainer", *,
+                           checkpointer: ckpt_lib.Checkpointer, iterator: Any, data_info: Any,
+                           hooks: TrainHooks) -> tuple[int | None, str | None, dict[str, Any]]:
+  """Resumes from the newest readable checkpoint, else applies init_from or a fresh vocab.
 
-  iterator, data_info = hooks.make_iterator(
-      c, target=trainer.target, drafter=trainer.drafter, workdir=workdir,
-      batch_size=trainer.local_batch_size, shard_index=jax.process_index(),
-      shard_count=jax.process_count())
-  hooks.check_dataset(data_info, drafter=trainer.drafter, target=trainer.target)
-
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
-                                       keep=int(c.checkpoint.keep),
-                                       async_save=bool(c.checkpoint.async_save))
+  Returns (resumed_from step, init_from source, metrics of the resumed step).
+  """
   where = f"Checkpoint directory {checkpointer.directory}"
   restored = checkpointer.restore_latest(
       abstract_params=ckpt_lib.abstract_like(trainer.params),
@@ -763,7 +751,38 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
       logging.warning("Loop-aware training from a random drafter: the recipe fine-tunes a"
                       " normally trained one (set init_from to its workdir or export).")
 
-  evaluator, best = _engine_evaluation(c, trainer, workdir)
+  return resumed_from, init_source, last
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks | None = None,
+          devices: list[jax.Device] | None = None) -> TrainResult:
+  """Trains (or resumes training) a drafter in `workdir`; see the module docstring."""
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  trainer = Trainer(config, hooks=hooks, devices=devices)
+  hooks = trainer.hooks
+  c = config
+  num_steps = int(c.num_steps)
+
+  iterator, data_info = hooks.make_iterator(
+      c, target=trainer.target, drafter=trainer.drafter, workdir=workdir,
+      batch_size=trainer.local_batch_size, shard_index=jax.process_index(),
+      shard_count=jax.process_count())
+  hooks.check_dataset(data_info, drafter=trainer.drafter, target=trainer.target)
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
+                                       keep=int(c.checkpoint.keep),
+                                       async_save=bool(c.checkpoint.async_save))
+  try:
+    resumed_from, init_source, last = _restore_or_initialize(
+        c, trainer, checkpointer=checkpointer, iterator=iterator, data_info=data_info,
+        hooks=hooks)
+    evaluator, best = _engine_evaluation(c, trainer, workdir)
+  except BaseException:
+    # Orbax's background threads (temporary-directory cleanup, async saves)
+    # must end before the interpreter does, or they print tracebacks at exit.
+    checkpointer.close()
+    raise
   writer = _MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
   bar = _progress(num_steps, trainer.step, bool(c.progress_bar))
   meta = trainer.meta()
