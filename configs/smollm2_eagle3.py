@@ -10,7 +10,8 @@ The drafter shipped in the package was trained on a 2-core CPU with the `cpu`
 and `cpu_loop` recipes (`--config configs/smollm2_eagle3.py:cpu`); see
 docs/drafters_smollm2.md for the exact commands.
 
-On accelerators add `--config.target.dtype=bfloat16` and size the mesh, e.g.
+On accelerators (and CPUs with bfloat16 matrix units) add
+`--config.compute_dtype=bfloat16` (mixed precision) and size the mesh, e.g.
 `--config.mesh.data=-1 --config.mesh.fsdp=4`.
 """
 

@@ -41,14 +41,25 @@ def test_single_row_product_equals_its_row_in_a_wider_product():
                                 np.asarray(jax.jit(project_rows)(rows, head)[0]))
 
 
+def _dot_lhs_shapes(jaxpr) -> list[tuple[int, ...]]:
+  """Left operand shapes of every dot_general, nested jaxprs (custom_vjp) included."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      shapes.append(tuple(eqn.invars[0].aval.shape))
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        shapes += _dot_lhs_shapes(inner)
+  return shapes
+
+
 def test_single_row_product_is_padded_to_two_rows():
   w = jnp.zeros((8, 4), jnp.bfloat16)
   jaxpr = jax.make_jaxpr(dense)(jnp.zeros((1, 1, 8), jnp.float32), w)
-  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert [tuple(d.invars[0].aval.shape) for d in dots] == [(2, 8)]
+  assert _dot_lhs_shapes(jaxpr.jaxpr) == [(2, 8)]
   f32 = jax.make_jaxpr(dense)(jnp.zeros((1, 1, 8), jnp.float32), w.astype(jnp.float32))
-  assert [tuple(e.invars[0].aval.shape) for e in f32.jaxpr.eqns
-          if e.primitive.name == "dot_general"] == [(1, 1, 8)]
+  assert _dot_lhs_shapes(f32.jaxpr) == [(1, 1, 8)]
 
 
 def test_bf16_weights_store_matrices_in_bf16_and_the_rest_in_f32(tiny, tiny_bf16):

@@ -49,7 +49,8 @@ from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts  # no
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import Transformer, attention, rms_norm, take_rows
+from dloop_jax.models.transformer import (Transformer, attention, f32_dot_general, rms_norm,
+                                          take_rows)
 
 # Dynamic draft trees: frontier nodes expanded per depth, and children kept per
 # node (EAGLE-2's top-k, 10 there); capped by the tree budget. At 8 a depth-4
@@ -167,7 +168,7 @@ class Eagle3Drafter(Drafter):
   def draft_logits(self, hidden: jax.Array) -> jax.Array:
     """Own hidden [..., D] -> f32 logits over the draft vocabulary [..., Vd]."""
     x = rms_norm(hidden, self.final_norm[...], self.eps)
-    return jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32).astype(jnp.float32)
+    return f32_dot_general(x, self.lm_head[...], (((x.ndim - 1,), (0,)), ((), ())))
 
   def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
     return draft_ids if self.d2t is None else self.d2t[...][draft_ids]

@@ -29,6 +29,7 @@ Hugging Face (`rotate_half`) RoPE layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -228,6 +229,32 @@ def _is_half(dtype) -> bool:
 WEIGHTS_LEFT_MAX_ROWS = 8
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def f32_dot_general(x: jax.Array, w: jax.Array, dimension_numbers) -> jax.Array:
+  """`lax.dot_general` accumulated and returned in f32, differentiated in x's dtype.
+
+  Plain autodiff would carry the f32 output's cotangent into both backward
+  products and run them in f32; with 16-bit operands (mixed-precision
+  training) the cotangent is rounded to their dtype first, so the backward
+  products run at 16-bit speed like the forward one. With f32 operands this
+  is `lax.dot_general` exactly.
+  """
+  return jax.lax.dot_general(x, w, dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _f32_dot_general_fwd(x, w, dimension_numbers):
+  return f32_dot_general(x, w, dimension_numbers), (x, w)
+
+
+def _f32_dot_general_bwd(dimension_numbers, residuals, cotangent):
+  x, w = residuals
+  _, pullback = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), x, w)
+  return pullback(cotangent.astype(jnp.result_type(x, w)))
+
+
+f32_dot_general.defvjp(_f32_dot_general_fwd, _f32_dot_general_bwd)
+
+
 def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]:
   """x [..., K] times w along w's axis `contract` (K), accumulated in f32.
 
@@ -253,13 +280,11 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
   if contract == 1 and 1 < rows <= WEIGHTS_LEFT_MAX_ROWS and not _is_half(w.dtype):
     # w [N, K] @ flat.T: see WEIGHTS_LEFT_MAX_ROWS.
     out = jnp.transpose(jax.lax.optimization_barrier(
-        jax.lax.dot_general(w, flat, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)))
+        f32_dot_general(w, flat, (((1,), (1,)), ((), ())))))
   else:
     if rows == 1 and _is_half(w.dtype):
       flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
-    out = jax.lax.dot_general(flat, w, (((1,), (contract,)), ((), ())),
-                              preferred_element_type=jnp.float32)[:rows]
+    out = f32_dot_general(flat, w, (((1,), (contract,)), ((), ())))[:rows]
   return out.reshape(lead + (out.shape[-1],)), out_dtype
 
 

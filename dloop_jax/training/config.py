@@ -45,6 +45,11 @@ def base_config() -> ml_collections.ConfigDict:
       overrides=ml_collections.ConfigDict(),  # tiny only: TransformerConfig fields
   ))
   c.drafter = ml_collections.ConfigDict(dict(kind="eagle3"))
+  # The dtype the drafter's forward and backward passes compute in. Weights,
+  # gradients and the optimizer state stay in the drafter's own dtype (that of
+  # target.dtype): "bfloat16" over float32 weights is mixed-precision training,
+  # with the logits and the loss still in float32.
+  c.compute_dtype = "float32"
   c.objective = "eagle3_ttt"
   c.objective_cfg = ml_collections.ConfigDict()
   # Where the data comes from. "tiny_random": the tiny target answers random
@@ -178,6 +183,8 @@ def validate(config: Mapping[str, Any]) -> None:
                       " Hugging Face directory.")
   if c["target"]["dtype"] not in DTYPES:
     raise ConfigError(f"target.dtype must be one of {DTYPES}, got {c['target']['dtype']!r}.")
+  if c["compute_dtype"] not in DTYPES:
+    raise ConfigError(f"compute_dtype must be one of {DTYPES}, got {c['compute_dtype']!r}.")
   if c["distributed"] not in DISTRIBUTED_MODES:
     raise ConfigError(f"distributed must be one of {DISTRIBUTED_MODES}, got"
                       f" {c['distributed']!r}.")

@@ -271,6 +271,12 @@ def _rebuild(template: list[tuple[tuple, nnx.Variable]], values: Mapping[str, An
                               for path, var in template])
 
 
+def _cast_floating(values: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+  """Floating arrays in `dtype`; integer ones (vocabulary maps, counters) as they are."""
+  return {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
+          for k, v in values.items()}
+
+
 def _place(values: Mapping[str, Any], shardings: Mapping[str, Any]) -> dict[str, jax.Array]:
   # Copies: a drafter may start from the target's own arrays (EAGLE-3's final
   # norm), and the train step donates its parameters; an alias would delete
@@ -465,15 +471,20 @@ class Trainer:
     # that take no `progress` (custom hooks) are called as before.
     takes_progress = "progress" in inspect.signature(loss_fn).parameters
     num_steps = max(int(self.config.num_steps), 1)
+    compute_dtype = jnp.dtype(self.config.compute_dtype)
 
     def train_step(params, opt_state, frozen, model_state, rng_state, batch, step):
       key = jax.random.fold_in(base_key, step)
-      frozen_state = _rebuild(templates["frozen"], frozen)
+      # Mixed precision: the forward and backward passes read float copies in
+      # compute_dtype; the gradients flow back through the casts to the
+      # weights' own dtype, which the optimizer updates.
+      frozen_state = _rebuild(templates["frozen"], _cast_floating(frozen, compute_dtype))
       other = _rebuild(templates["model_state"], model_state)
 
       def loss_of(p):
-        drafter = nnx.merge(graphdef, _rebuild(templates["params"], p), frozen_state,
-                            rng_state, other)
+        drafter = nnx.merge(graphdef,
+                            _rebuild(templates["params"], _cast_floating(p, compute_dtype)),
+                            frozen_state, rng_state, other)
         extra = {"progress": step / num_steps} if takes_progress else {}
         loss, metrics = loss_fn(drafter, batch, key, objective=objective, cfg=objective_cfg,
                                 **extra)
