@@ -116,6 +116,30 @@ def test_a_partly_answered_store_is_answered_first_then_read(builds, tmp_path):
   assert builder.info.metadata["totals"]["new_tokens"] == 20 * 24
 
 
+def test_a_snapshot_skips_chunks_whose_features_are_not_computed(builds, tmp_path):
+  """Stored answers without features are work left to the build, not part of its snapshot."""
+  _, _, _, _, store = builds
+  config = tr.make_config(**BUILD)
+  work = tmp_path / "work"
+
+  def builder(data_dir, config, **kw):
+    return tr.TargetResponses(data_dir=str(data_dir), config=config, file_format="array_record",
+                              progress=False, responses_dir=str(store), work_dir=str(work), **kw)
+
+  _examples(builder(tmp_path / "full", config))
+  # A build stopped after the features of chunk 0: the store answers all three.
+  for name in ("chunk_00001.npz", "chunk_00002.npz"):
+    os.remove(work / name)
+  snap = builder(tmp_path / "snap", tr.snapshot_config(config), finished_chunks_only=True)
+  snap._features_chunk = None  # pylint: disable=protected-access  (must not be called)
+  examples = _examples(snap)
+  assert sorted(int(e["index"]) for e in examples) == list(range(8))
+  assert snap.chunks_from_store == 0 and snap.chunks_generated == 0
+  assert snap.info.metadata["snapshot"]["missing_chunks"] == [1, 2]
+  assert sorted(os.listdir(work)) == ["chunk_00000.npz"] + sorted(
+      n for n in os.listdir(work) if not n.startswith("chunk_"))
+
+
 def test_other_taps_reuse_the_answers(tmp_path):
   store = tmp_path / "answers"
   _builder(tmp_path / "a", store=store, num_prompts=8).answer_prompts()

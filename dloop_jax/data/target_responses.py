@@ -733,8 +733,11 @@ class TargetResponses(LocalBuilder):
       index = self._chunk_index(k, n=n)
       arrays = _load_chunk_if_exists(path, expected_index=index)
       reused = arrays is not None and k not in answered
+      # A snapshot computes nothing: chunks whose features are not written
+      # yet are missing from it, stored answers or not.
       answers = (self._store.load(k, expected_index=index)
-                 if arrays is None and self._store is not None else None)
+                 if arrays is None and self._store is not None
+                 and not self._finished_chunks_only else None)
       if arrays is None and answers is None and self._finished_chunks_only:
         missing.append(k)
         continue
