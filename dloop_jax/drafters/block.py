@@ -64,7 +64,8 @@ from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import Transformer, project_rows, rms_norm, take_rows
+from dloop_jax.models.transformer import (Transformer, dense, project_rows, rms_norm,
+                                          take_rows)
 
 
 @struct.dataclass
@@ -184,7 +185,7 @@ class BlockDrafter(Drafter):
   def context(self, features: jax.Array) -> jax.Array:
     """Target taps [..., n_taps, D] -> context vectors [..., D]."""
     x = features.astype(self.fc[...].dtype)
-    return self.stand_in(x.reshape(x.shape[:-2] + (-1,)) @ self.fc[...])
+    return self.stand_in(dense(x.reshape(x.shape[:-2] + (-1,)), self.fc[...]))
 
   def stand_in(self, hidden: jax.Array) -> jax.Array:
     """Hidden [..., D] -> context vector: the RMSNorm every context goes through."""
@@ -273,7 +274,7 @@ class BlockDrafter(Drafter):
 
     def layer(h, xs):
       w, ck, cv, ok, ov = xs
-      qkv = rms_norm(h, w["attn_norm"], eps) @ w["wqkv"]
+      qkv = dense(rms_norm(h, w["attn_norm"], eps), w["wqkv"])
       q = qkv[..., :s.q_size].reshape(b, a, nq, s.num_heads, s.head_dim)
       k = qkv[..., s.q_size:s.q_size + s.kv_size].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
       v = qkv[..., s.q_size + s.kv_size:].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
@@ -285,11 +286,19 @@ class BlockDrafter(Drafter):
         k = jnp.concatenate([ok, k], axis=2)
         v = jnp.concatenate([ov, v], axis=2)
       out = layers.block_attention(q, ctx_k=ck, ctx_v=cv, ctx_mask=ctx_mask, own_k=k, own_v=v)
-      h = h + out @ w["wo"]
+      h = h + dense(out, w["wo"])
       h = h + layers.swiglu(rms_norm(h, w["mlp_norm"], eps), w["w_gate_up"], w["w_down"])
       return h, None
 
-    h, _ = jax.lax.scan(layer, x, (weights, ctx_k, ctx_v, own_k, own_v))
+    # Unrolled (a drafter has a few layers): static per-layer slices of the
+    # stacked weights are loop-invariant inside the engine's decode loop, so
+    # XLA prepares them once per generation; a scan re-slices (and, for 16-bit
+    # weights on XLA:CPU, re-converts) every layer's matrices at every stage.
+    h = x
+    for i in range(s.num_layers):
+      h, _ = layer(h, jax.tree.map(lambda t, i=i: None if t is None else t[i],
+                                   (weights, ctx_k, ctx_v, own_k, own_v),
+                                   is_leaf=lambda t: t is None))
     return h
 
   # -------------------------------------------------------------- interface

@@ -49,8 +49,8 @@ from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts  # no
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import (Transformer, attention, f32_dot_general, rms_norm,
-                                          take_rows)
+from dloop_jax.models.transformer import (Transformer, attention, dense, f32_dot_general,
+                                          rms_norm, take_rows)
 
 # Dynamic draft trees: frontier nodes expanded per depth, and children kept per
 # node (EAGLE-2's top-k, 10 there); capped by the tree budget. At 8 a depth-4
@@ -163,7 +163,7 @@ class Eagle3Drafter(Drafter):
   def fuse(self, features: jax.Array) -> jax.Array:
     """Target taps [..., n_taps, D] -> fused feature [..., D]."""
     x = features.astype(self.fc[...].dtype)
-    return x.reshape(x.shape[:-2] + (-1,)) @ self.fc[...]
+    return dense(x.reshape(x.shape[:-2] + (-1,)), self.fc[...])
 
   def draft_logits(self, hidden: jax.Array) -> jax.Array:
     """Own hidden [..., D] -> f32 logits over the draft vocabulary [..., Vd]."""
@@ -184,7 +184,7 @@ class Eagle3Drafter(Drafter):
     emb = take_rows(self.embed[...], tokens).astype(feature.dtype)
     x = jnp.concatenate([rms_norm(emb, self.input_norm[...], self.eps),
                          rms_norm(feature, self.hidden_norm[...], self.eps)], axis=-1)
-    qkv = x @ self.wqkv[...]
+    qkv = dense(x, self.wqkv[...])
     q = qkv[..., :s.q_size].reshape(b, t, s.num_heads, s.head_dim)
     k = qkv[..., s.q_size:s.q_size + s.kv_size].reshape(b, t, s.num_kv_heads, s.head_dim)
     v = qkv[..., s.q_size + s.kv_size:].reshape(b, t, s.num_kv_heads, s.head_dim)
@@ -196,7 +196,7 @@ class Eagle3Drafter(Drafter):
     return rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin), v
 
   def _finish(self, feature: jax.Array, attn_out: jax.Array) -> jax.Array:
-    h = feature + attn_out @ self.wo[...]
+    h = feature + dense(attn_out, self.wo[...])
     return h + layers.swiglu(rms_norm(h, self.mlp_norm[...], self.eps), self.w_gate_up[...],
                              self.w_down[...])
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 from dloop_jax.models import rope as rope_lib
 from dloop_jax.models.config import TransformerConfig
+from dloop_jax.models.transformer import dense
 
 NEG_INF = float(np.finfo(np.float32).min)
 
@@ -32,9 +33,9 @@ def inverse_frequencies(target_config: TransformerConfig, head_dim: int) -> np.n
 
 
 def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """Llama MLP with fused gate/up: x [..., D] -> [..., D]."""
-  gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
-  return (jax.nn.silu(gate) * up) @ w_down
+  """Llama MLP with fused gate/up: x [..., D] -> [..., D] (`dense` products)."""
+  gate, up = jnp.split(dense(x, w_gate_up), 2, axis=-1)
+  return dense(jax.nn.silu(gate) * up, w_down)
 
 
 def block_attention(q: jax.Array, *, ctx_k: jax.Array, ctx_v: jax.Array, ctx_mask: jax.Array,
