@@ -272,8 +272,7 @@ class BlockDrafter(Drafter):
       weights.update(q_norm=self.q_norm[...], k_norm=self.k_norm[...])
     eps = self.eps
 
-    def layer(h, xs):
-      w, ck, cv, ok, ov = xs
+    def layer(h, w, ck, cv, ok, ov):
       qkv = dense(rms_norm(h, w["attn_norm"], eps), w["wqkv"])
       q = qkv[..., :s.q_size].reshape(b, a, nq, s.num_heads, s.head_dim)
       k = qkv[..., s.q_size:s.q_size + s.kv_size].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
@@ -287,8 +286,7 @@ class BlockDrafter(Drafter):
         v = jnp.concatenate([ov, v], axis=2)
       out = layers.block_attention(q, ctx_k=ck, ctx_v=cv, ctx_mask=ctx_mask, own_k=k, own_v=v)
       h = h + dense(out, w["wo"])
-      h = h + layers.swiglu(rms_norm(h, w["mlp_norm"], eps), w["w_gate_up"], w["w_down"])
-      return h, None
+      return h + layers.swiglu(rms_norm(h, w["mlp_norm"], eps), w["w_gate_up"], w["w_down"])
 
     # Unrolled (a drafter has a few layers): static per-layer slices of the
     # stacked weights are loop-invariant inside the engine's decode loop, so
@@ -296,9 +294,8 @@ class BlockDrafter(Drafter):
     # weights on XLA:CPU, re-converts) every layer's matrices at every stage.
     h = x
     for i in range(s.num_layers):
-      h, _ = layer(h, jax.tree.map(lambda t, i=i: None if t is None else t[i],
-                                   (weights, ctx_k, ctx_v, own_k, own_v),
-                                   is_leaf=lambda t: t is None))
+      h = layer(h, {name: w[i] for name, w in weights.items()}, ctx_k[i], ctx_v[i],
+                None if own_k is None else own_k[i], None if own_v is None else own_v[i])
     return h
 
   # -------------------------------------------------------------- interface
