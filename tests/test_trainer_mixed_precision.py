@@ -75,7 +75,7 @@ def test_bfloat16_step_multiplies_bfloat16_operands(tmp_path):
   trainer, batch = _trainer("eagle3", "bfloat16", str(tmp_path))
   placed = trainer_lib.sharding_lib.put_batch(batch, trainer.mesh)
   fn = trainer._compiled_step(placed)  # pylint: disable=protected-access
-  hlo = fn.lower(trainer.params, trainer.opt_state, trainer.frozen, trainer.model_state,
+  hlo = fn.lower(trainer.params, trainer.opt_state, trainer.frozen_for_step, trainer.model_state,
                  trainer.rng_state, placed, jnp.asarray(0, jnp.int32)).as_text()
   dots = re.findall(r"stablehlo\.dot_general[^\n]*", hlo)
   operand_types = [re.findall(r"tensor<[^>]*>", d)[:2] for d in dots]

@@ -344,6 +344,9 @@ class Trainer:
     self.model_state_shardings = shardings(model_state)
     self.params = _place(sharding_lib.flat_values(params), self.param_shardings)
     self.frozen = _place(sharding_lib.flat_values(frozen), self.frozen_shardings)
+    # What the step reads: the frozen arrays (the target's embedding / head) are
+    # never updated, so they are cast to compute_dtype once here, not per step.
+    self.frozen_for_step = _cast_floating(self.frozen, jnp.dtype(config.compute_dtype))
     self.model_state = _place(sharding_lib.flat_values(model_state), self.model_state_shardings)
     self.rng_state = jax.device_put(rng, self.replicated)
     if not self.params:
@@ -476,9 +479,10 @@ class Trainer:
     def train_step(params, opt_state, frozen, model_state, rng_state, batch, step):
       key = jax.random.fold_in(base_key, step)
       # Mixed precision: the forward and backward passes read float copies in
-      # compute_dtype; the gradients flow back through the casts to the
-      # weights' own dtype, which the optimizer updates.
-      frozen_state = _rebuild(templates["frozen"], _cast_floating(frozen, compute_dtype))
+      # compute_dtype (`frozen` comes cast: `frozen_for_step`); the gradients
+      # flow back through the casts to the weights' own dtype, which the
+      # optimizer updates.
+      frozen_state = _rebuild(templates["frozen"], frozen)
       other = _rebuild(templates["model_state"], model_state)
 
       def loss_of(p):
@@ -523,8 +527,8 @@ class Trainer:
     fn = self._compiled_step(placed)
     with sharding_lib.mesh_context(self.mesh, self.rules):
       self.params, self.opt_state, metrics = fn(
-          self.params, self.opt_state, self.frozen, self.model_state, self.rng_state, placed,
-          jnp.asarray(self.step, jnp.int32))
+          self.params, self.opt_state, self.frozen_for_step, self.model_state, self.rng_state,
+          placed, jnp.asarray(self.step, jnp.int32))
     self.step += 1
     return metrics
 
