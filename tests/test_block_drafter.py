@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from flax import nnx
 
 import draft_training
 import reference
-from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.decoding import SamplingConfig, engine, generate
 from dloop_jax.drafters import BlockDrafter, Frozen, build_drafter, default_drafter_config
 from dloop_jax.errors import ConfigError, DrafterMismatchError
 from dloop_jax.models.config import tiny_target
@@ -92,7 +93,10 @@ def _stage_predictions(drafter, h, head_rows):
 
 def test_train_stages_match_inference(examples, drafters):
   """Stage 1 and a teacher-forced stage 2 (stand-in context) agree with train_stages."""
-  drafter = drafters["trained"]
+  # Exactly, with the layers read in their own dtype while drafting; the default
+  # bf16 drafting layers (`block.DRAFT_LAYER_DTYPE`) are checked after.
+  drafter = nnx.clone(drafters["trained"])
+  drafter.draft_layer_dtype = None
   batch = draft_training.pack_batch(examples[:2], seq_len=32)
   n, gamma = 10, 3
   hs = nnx.jit(lambda d, b: d.train_stages(
@@ -117,6 +121,49 @@ def test_train_stages_match_inference(examples, drafters):
   tokens, logprobs = _stage_predictions(drafter, hs[1][:, 0], state.head_rows)
   np.testing.assert_array_equal(second.tokens, tokens)
   np.testing.assert_allclose(second.logprobs, logprobs, atol=1e-5)
+
+
+def test_drafting_reads_bf16_layers_sliced_once(tiny, examples, drafters):
+  """Drafting's layer matrices: bf16 copies made once per generation, outside the loops."""
+  drafter = drafters["trained"]
+  assert drafter.draft_layer_dtype == jnp.bfloat16
+  state = drafter.init_state(batch_size=1, capacity=8)
+  assert len(state.layers) == 2
+  for i, layer in enumerate(state.layers):
+    assert layer["w_gate_up"].dtype == jnp.bfloat16 and layer["wo"].dtype == jnp.bfloat16
+    assert layer["attn_norm"].dtype == drafter.attn_norm[...].dtype  # norms keep theirs
+    np.testing.assert_array_equal(np.asarray(layer["w_down"], np.float32),
+                                  np.asarray(drafter.w_down[...][i].astype(jnp.bfloat16),
+                                             np.float32))
+  # Drafts close to those of the layers' own (f32) dtype.
+  exact = nnx.clone(drafter)
+  exact.draft_layer_dtype = None
+  batch = draft_training.pack_batch(examples[:2], seq_len=32)
+  stages = []
+  for d in (drafter, exact):
+    st = draft_training.commit_prefix(d, batch["tokens"], batch["features"], 10)
+    stages.append(draft_training.draft_stage(d, st, jax.random.key(0), block_size=3,
+                                             sampling=GREEDY)[1])
+  np.testing.assert_allclose(stages[0].logprobs, stages[1].logprobs, atol=0.05)
+  # In the compiled generation, no loop body materializes a layer's matrix: the
+  # per-layer copies are made before the loops (XLA does not hoist slices).
+  generate(tiny, [[3, 1, 4, 1, 5]], max_new_tokens=9, mode="sd", drafter=drafter,
+           block_size=3, schedule="off")
+  _, d, inner = drafter.w_gate_up[...].shape
+  per_layer = re.compile(rf"= (f32|bf16)\[{d},{inner}\]\{{[0-9,]*\}} \S+\(")
+  programs = [c.as_text() for c in engine._COMPILED.values()]
+  programs = [t for t in programs if f"[2,{d},{inner}]" in t]
+  assert programs
+  materialized = []
+  for text in programs:
+    header = ""
+    for line in text.splitlines():
+      if line and not line.startswith(" "):
+        header = line.split("(")[0]
+      elif ("ENTRY" not in header and "_computation" not in header and per_layer.search(line)
+            and not re.search(r"(parameter|get-tuple-element|tuple)\(", line)):
+        materialized.append(line.strip()[:160])
+  assert not materialized, materialized[:3]
 
 
 def test_commit_rolls_back_stand_ins(examples, drafters):
