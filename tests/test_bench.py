@@ -146,3 +146,29 @@ def test_bad_repeats_fails_before_the_target_loads():
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert "--repeats must be >= 1" in proc.stderr
+
+
+def test_a_second_weight_storage_is_named_and_measured_against_the_reference_ar():
+  from infer.bench import methods  # pylint: disable=g-import-not-at-top
+  names = [methods.Ours(method=m, target=None, weights=w, schedule=s, fixed_width=fw).method_name
+           for m, w, s, fw in [("ar", "", "cost", 0), ("ar", "bf16", "cost", 5),
+                               ("sd", "bf16", "off", 5), ("dloop", "bf16", "cost", 0),
+                               ("dloop", "", "off", 13)]]
+  assert names == ["ar", "ar/w5@bf16", "sd/all/w5@bf16", "dloop@bf16", "dloop/all/w13"]
+  records = [
+      _rec("math", "ar", "", 100, 4.0, rounds=99, committed=99),
+      _rec("math", "ar@bf16", "", 100, 5.0, rounds=99, committed=99),
+      _rec("math", "sd/all/w5@bf16", "d", 100, 2.0, rounds=50, committed=99),
+  ]
+  rows = {r["method"]: r for r in report.summarize(records) if r["category"] == "math"}
+  assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+  assert rows["ar@bf16"]["speedup_vs_ar"] == pytest.approx(0.8)  # against the reference's ar
+  assert rows["sd/all/w5@bf16"]["speedup_vs_ar"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("weights", ["f16", "bf16,bf16", ""])
+def test_bad_weights_fail_before_the_target_loads(weights):
+  proc = subprocess.run([sys.executable, "-m", "infer.bench", f"--weights={weights}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert "--weights takes f32 and / or bf16" in proc.stderr

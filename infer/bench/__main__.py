@@ -4,6 +4,7 @@
     python -m infer.bench --quick --out bench_out           # 3 prompts per category
     python -m infer.bench --drafters NAME_OR_PATH,... --sweep --out bench_out
     python -m infer.bench --quick --no-drafters --max-new-tokens 128   # our ar vs transformers
+    python -m infer.bench --quick --weights f32,bf16 --fixed-widths 5    # both weight storages
 
 Methods, measured in one run on the same prompts, interleaved per prompt (the
 order rotates from prompt to prompt) after a warm-up: our `ar`; for every
@@ -15,6 +16,9 @@ stage (`sd/treeB`, `dloop/treeB`, and `/all`); HF transformers (PyTorch) greedy 
 its prompt-lookup decoding on the same weights and threads (--no-peers leaves
 them out). Greedy by default; every output is compared with our `ar` output
 (identical, or differing only after a near-tie of the target, DESIGN.md §4).
+With --weights f32,bf16 every method of ours also runs on a target whose weight
+matrices are stored in bf16 (`ar@bf16`, `sd/all/w5@bf16`, ...), timed against the
+f32 `ar` and checked against the bf16 `ar` (at the same fixed width, if any).
 
 Writes DIR/results.json (`rows`: one per category x method x drafter, plus
 `overall`; `records`: one per prompt x method; `sweep`), DIR/results.md and
@@ -72,8 +76,10 @@ def _parse(argv):
                  help="gamma for sd and dloop (default: each drafter's trained block size)")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop gate g")
   p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
-  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
-                 help="storage of our target's weight matrices")
+  p.add_argument("--weights", type=_names, default=["f32"],
+                 help="storage of our target's weight matrices: f32 and / or bf16. With two"
+                      " (f32,bf16), every method of ours also runs on the second storage"
+                      " (methods named ...@bf16) against the first's ar")
   p.add_argument("--modes", default="sd,dloop",
                  help="speculative modes to run with each drafter: sd and / or dloop (our ar,"
                       " the reference of every comparison, always runs)")
@@ -175,13 +181,71 @@ def _check_against_ar(target, prompt_ids, ar_tokens, rec, *, greedy: bool) -> No
              first_difference=cmp.first_difference, top2_gap=cmp.top2_gap)
 
 
+def _cost_table(args, target, *, weights: str):
+  """The scheduler's cost table of `target` (--costs, $DLOOP_COSTS or its cached table)."""
+  from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  table = (costs_lib.as_table(args.costs) if args.costs else
+           costs_lib.load(os.environ["DLOOP_COSTS"]) if os.environ.get("DLOOP_COSTS") else
+           costs_lib.for_target(target, batch_size=1))
+  _log(f"[bench] cost table{f' ({weights})' if weights else ''}"
+       f" ({time.perf_counter() - t0:.1f}s):\n{table.format()}")
+  return table
+
+
+def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree_schedules,
+                 fixed_widths, common) -> list:
+  """Our methods on one target: ar, then per drafter sd / dloop per schedule and tree budget,
+  and the fixed widths. `weights` names a target other than the reference ("": the reference).
+  """
+  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
+  from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
+
+  common = dict(common, target=target, weights=weights)
+  costs = None
+  if "cost" in schedules + (tree_schedules if any(args.tree_budgets) else []) and drafters:
+    costs = _cost_table(args, target, weights=weights)
+  methods = [methods_lib.Ours(method="ar", **common)]
+  for label, d in drafters:
+    gamma = args.block_size or d.block_size
+    for budget in dict.fromkeys(args.tree_budgets):
+      if budget and not d.supports_trees:
+        _log(f"[bench] {label}: no draft trees ({d.name}); tree budget {budget} skipped")
+        continue
+      for mode in modes:
+        if budget and mode == "dloop" and budget < gamma:
+          _log(f"[bench] {label}: dloop trees need a budget >= gamma ({gamma});"
+               f" budget {budget} skipped")
+          continue
+        for schedule in (tree_schedules if budget else schedules):
+          methods.append(methods_lib.Ours(
+              method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
+              gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
+              draft_backoff=args.draft_backoff, tree_budget=budget, **common))
+  for width in fixed_widths:
+    methods.append(methods_lib.Ours(method="ar", fixed_width=width, **common))
+  for label, d in (drafters if fixed_widths else ()):
+    for mode in modes:
+      need = arguments.full_verification_width(
+          mode=mode, block_size=args.block_size or d.block_size, max_stages=args.max_stages)
+      width = next((w for w in fixed_widths if w >= need), None)
+      if width is None:
+        _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
+             f" {fixed_widths}; skipped")
+        continue
+      methods.append(methods_lib.Ours(
+          method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
+          gate=args.gate, max_stages=args.max_stages, schedule="off",
+          draft_backoff=args.draft_backoff, fixed_width=width, **common))
+  return methods
+
+
 def main(argv=None) -> int:
   args = _parse(argv)
   from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
   enable_compilation_cache()
 
   from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
-  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
@@ -211,26 +275,34 @@ def main(argv=None) -> int:
     if any(w < 1 for w in args.fixed_widths):
       raise DLoopError(f"--fixed-widths takes widths >= 1, got {args.fixed_widths}.")
     fixed_widths = sorted(set(args.fixed_widths))
+    if (not args.weights or len(set(args.weights)) != len(args.weights)
+        or any(w not in ("f32", "bf16") for w in args.weights)):
+      raise DLoopError(f"--weights takes f32 and / or bf16 (the first is the reference),"
+                       f" got {','.join(args.weights)!r}.")
     t0 = time.perf_counter()
-    target = registry.load_target(args.target, weights=args.weights)
+    targets = {w: registry.load_target(args.target, weights=w) for w in args.weights}
+    target = targets[args.weights[0]]  # the reference: its ar is every method's baseline
     tok = target.tokenizer
     if tok is None:
       raise DLoopError(f"Target {target.name!r} has no tokenizer; the benchmark needs one.")
     stops = list(tok.stop_token_ids)
-    _log(f"[bench] target {target.name} loaded in {time.perf_counter() - t0:.1f}s")
+    _log(f"[bench] target {target.name} loaded in {time.perf_counter() - t0:.1f}s"
+         f" (weights {', '.join(args.weights)})")
 
     names = _names(args.drafters) or drafter_io.shipped_drafters_for(
         target.model.config)
     if args.no_drafters:
       names = []
-    drafters = []
+    drafters_of = {w: [] for w in args.weights}  # each target's own drafter instances
     for name in names:
-      d = drafter_io.load_drafter(name, target=target.model)
       label = os.path.basename(os.path.normpath(name))
       if label in ("export", "best"):  # a run's exports: name them by their run
         label = os.path.basename(os.path.dirname(os.path.normpath(name)))
-      drafters.append((label, d))
+      for w, t in targets.items():
+        drafters_of[w].append((label, drafter_io.load_drafter(name, target=t.model)))
+      d = drafters_of[args.weights[0]][-1][1]
       _log(f"[bench] drafter {label}: {d.name}, block size {d.block_size}")
+    drafters = drafters_of[args.weights[0]]
     if not drafters:
       _log("[bench] no drafter for this target: measuring ar and the peers only")
 
@@ -251,51 +323,16 @@ def main(argv=None) -> int:
     _log(f"[bench] {len(prompts)} prompts ({counts}); {skipped} skipped as longer than"
          f" {args.max_prompt_tokens} tokens")
 
-    costs = None
-    if "cost" in schedules + (tree_schedules if any(args.tree_budgets) else []) and drafters:
-      from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
-      t0 = time.perf_counter()
-      table = (costs_lib.as_table(args.costs) if args.costs else
-               costs_lib.load(os.environ["DLOOP_COSTS"]) if os.environ.get("DLOOP_COSTS") else
-               costs_lib.for_target(target.model, batch_size=1))
-      costs = table
-      _log(f"[bench] cost table ({time.perf_counter() - t0:.1f}s):\n{table.format()}")
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
                   seed=args.seed)
-    methods = [methods_lib.Ours(method="ar", target=target.model, **common)]
-    for label, d in drafters:
-      gamma = args.block_size or d.block_size
-      for budget in dict.fromkeys(args.tree_budgets):
-        if budget and not d.supports_trees:
-          _log(f"[bench] {label}: no draft trees ({d.name}); tree budget {budget} skipped")
-          continue
-        for mode in modes:
-          if budget and mode == "dloop" and budget < gamma:
-            _log(f"[bench] {label}: dloop trees need a budget >= gamma ({gamma});"
-                 f" budget {budget} skipped")
-            continue
-          for schedule in (tree_schedules if budget else schedules):
-            methods.append(methods_lib.Ours(
-                method=mode, target=target.model, drafter=d, drafter_label=label,
-                block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
-                schedule=schedule, costs=costs, draft_backoff=args.draft_backoff,
-                tree_budget=budget, **common))
-    for width in fixed_widths:
-      methods.append(methods_lib.Ours(method="ar", target=target.model, fixed_width=width,
-                                      **common))
-    for label, d in (drafters if fixed_widths else ()):
-      for mode in modes:
-        need = arguments.full_verification_width(
-            mode=mode, block_size=args.block_size or d.block_size, max_stages=args.max_stages)
-        width = next((w for w in fixed_widths if w >= need), None)
-        if width is None:
-          _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
-               f" {fixed_widths}; skipped")
-          continue
-        methods.append(methods_lib.Ours(
-            method=mode, target=target.model, drafter=d, drafter_label=label,
-            block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
-            schedule="off", draft_backoff=args.draft_backoff, fixed_width=width, **common))
+    methods = []
+    for w, t in targets.items():
+      methods += _our_methods(args, target=t.model, drafters=drafters_of[w],
+                              weights="" if w == args.weights[0] else w, modes=modes,
+                              schedules=schedules,
+                              tree_schedules=tree_schedules, fixed_widths=fixed_widths,
+                              common=common)
+    costs = next((m.costs for m in methods if m.costs is not None and not m.weights), None)
     threads = os.cpu_count() or 1
     if not args.no_peers:
       hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
@@ -314,11 +351,14 @@ def main(argv=None) -> int:
     for i, (p, ids) in enumerate(prompts):
       runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
-      # At a fixed width the reference is our ar at that width (bit-identical outputs).
-      ar_tokens = {getattr(m, "fixed_width", 0): rec["tokens"] for m, rec in zip(methods, recs)
+      # The reference is our ar on the same weights, at the same fixed width if any
+      # (bit-identical outputs).
+      def ar_key(m):
+        return getattr(m, "weights", ""), getattr(m, "fixed_width", 0)
+      ar_tokens = {ar_key(m): rec["tokens"] for m, rec in zip(methods, recs)
                    if getattr(m, "method", "") == "ar"}
       for m, rec in zip(methods, recs):
-        _check_against_ar(target.model, ids, ar_tokens[getattr(m, "fixed_width", 0)], rec,
+        _check_against_ar(getattr(m, "target", target.model), ids, ar_tokens[ar_key(m)], rec,
                           greedy=sampling.greedy)
       records.extend(recs)
       parts = []
@@ -360,23 +400,26 @@ def main(argv=None) -> int:
       if (peer, "") in overall:
         ratio = overall[("ar", "")]["tokens_per_second"] / overall[(peer, "")]["tokens_per_second"]
         print(f"Our ar vs transformers {peer}: {ratio:.2f}x tokens/s")
+    suffixes = [""] + [f"@{w}" for w in args.weights[1:]]
     for label, _ in drafters:
-      for mode in ("sd", "dloop"):
-        on, off = overall.get((mode, label)), overall.get((f"{mode}/all", label))
-        if on and off:
-          print(f"{label}: {mode} verifying the prefix that pays"
-                f" {on['tokens_per_second'] / off['tokens_per_second']:.2f}x verifying every"
-                f" draft ({on['verified_fraction']:.0%} of drafts verified,"
-                f" {on['plain_round_fraction']:.0%} plain rounds)")
-      sd, dl = overall.get(("sd", label)), overall.get(("dloop", label))
-      if dl:
-        tps = dl["tokens_per_second"]
-        vs_sd = f", {tps / sd['tokens_per_second']:.2f}x sd" if sd else ""
-        vs_peers = "".join(f", {tps / overall[(p, '')]['tokens_per_second']:.2f}x {p}"
-                           for p in ("hf", "hf_pld") if (p, "") in overall)
-        print(f"{label}: dloop {dl['speedup_vs_ar']:.2f}x ar{vs_sd}{vs_peers};"
-              f" tau {dl['acceptance_length']:.2f} (dloop)"
-              + (f" vs {sd['acceptance_length']:.2f} (sd)" if sd else ""))
+      for suffix in suffixes:
+        for mode in ("sd", "dloop"):
+          on = overall.get((mode + suffix, label))
+          off = overall.get((f"{mode}/all{suffix}", label))
+          if on and off:
+            print(f"{label}: {mode}{suffix} verifying the prefix that pays"
+                  f" {on['tokens_per_second'] / off['tokens_per_second']:.2f}x verifying every"
+                  f" draft ({on['verified_fraction']:.0%} of drafts verified,"
+                  f" {on['plain_round_fraction']:.0%} plain rounds)")
+        sd, dl = overall.get(("sd" + suffix, label)), overall.get(("dloop" + suffix, label))
+        if dl:
+          tps = dl["tokens_per_second"]
+          vs_sd = f", {tps / sd['tokens_per_second']:.2f}x sd{suffix}" if sd else ""
+          vs_peers = "".join(f", {tps / overall[(p, '')]['tokens_per_second']:.2f}x {p}"
+                             for p in ("hf", "hf_pld") if (p, "") in overall)
+          print(f"{label}: dloop{suffix} {dl['speedup_vs_ar']:.2f}x ar{vs_sd}{vs_peers};"
+                f" tau {dl['acceptance_length']:.2f} (dloop)"
+                + (f" vs {sd['acceptance_length']:.2f} (sd)" if sd else ""))
     for (method, label), row in overall.items():
       chain = overall.get((method.replace(f"/tree{row['tree_budget']}", ""), label))
       if row["tree_budget"] and chain and chain["acceptance_length"] and row["acceptance_length"]:

@@ -65,16 +65,20 @@ class Ours:
   draft_backoff: int | None = None  # None: generate()'s default for the schedule
   tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains
   fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
+  weights: str = ""  # the target's weight storage when not the run's reference ("bf16"); "": it
+
 
   @property
   def method_name(self) -> str:
     """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is
-    verified, "/wW" at a fixed forward width W."""
+    verified, "/wW" at a fixed forward width W, "@bf16" on a target whose weights are
+    stored otherwise than the run's reference `ar`'s."""
     width = f"/w{self.fixed_width}" if self.fixed_width else ""
+    weights = f"@{self.weights}" if self.weights else ""
     if self.method == "ar":
-      return self.method + width
+      return self.method + width + weights
     name = self.method + (f"/tree{self.tree_budget}" if self.tree_budget else "")
-    return (f"{name}/all" if self.schedule == "off" else name) + width
+    return (f"{name}/all" if self.schedule == "off" else name) + width + weights
 
   @property
   def label(self) -> str:
