@@ -8,6 +8,7 @@ forward is re-implemented here in PyTorch from the reference description
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -534,7 +535,8 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
   np.testing.assert_array_equal(a[0], b[0])
   assert a[1] == b[1]
 
-  # What the DFlash layout cannot hold: a learned mask vector, a reduced vocabulary.
+  # What the DFlash layout cannot hold: a learned mask vector (a draft vocabulary is
+  # dropped: the drafter is written over the whole head).
   learned = build_drafter({"kind": "block", "num_layers": 1}, target=target, rngs=nnx.Rngs(5))
   with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):
     drafter_io.export_drafter(learned, tmp_path / "learned", format="hf")
@@ -543,10 +545,15 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
   path = drafter_io.export_drafter(learned, tmp_path / "row", format="hf")
   with open(os.path.join(path, "config.json")) as f:
     assert json.load(f)["dflash_config"]["mask_token_id"] == 21
-  reduced = build_drafter({"kind": "block", "num_layers": 1, "draft_vocab_size": 32},
-                          target=target, rngs=nnx.Rngs(0))
-  with pytest.raises(CheckpointFormatError, match="reduced vocabulary"):
-    drafter_io.export_drafter(reduced, tmp_path / "r", format="hf")
+  reduced = build_drafter({"kind": "block", "num_layers": 1, "draft_vocab_size": 32,
+                           "mask_token_id": 21}, target=target, rngs=nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="no draft vocabulary"):
+    path = drafter_io.export_drafter(reduced, tmp_path / "r", format="hf")
+  whole = drafter_io.load_drafter(path, target=target)
+  assert whole.spec == dataclasses.replace(reduced.spec, draft_vocab_size=0)
+  for (key, a), (_, b) in zip(nnx.to_flat_state(nnx.state(reduced, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(whole, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(key))
   with pytest.raises(ConfigError, match="format"):
     drafter_io.export_drafter(reduced, tmp_path / "r", format="gguf")
 
@@ -736,6 +743,7 @@ def _stage(drafter, features, next_tokens):
 def test_dspark_checkpoint_matches_reference_forward(target, tmp_path):
   path, w = dspark_checkpoint(tmp_path / "dspark", target, block_size=4, mask_token_id=62)
   drafter = drafter_io.load_drafter(path, target=target)
+  drafter.draft_layer_dtype = None  # the reference computes in f32 (drafting reads bf16)
   assert drafter.spec.kind == "dspark" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
   assert drafter.spec.markov_rank == 8 and drafter.spec.enable_confidence_head
   features = _features(5, 6, 3)
@@ -753,6 +761,7 @@ def test_domino_checkpoint_matches_reference_forward(target, tmp_path):
   path, w = domino_checkpoint(tmp_path / "domino", block_size=4, mask_token_id=61,
                               prefix="logit_head.")
   drafter = drafter_io.load_drafter(path, target=target)
+  drafter.draft_layer_dtype = None  # the reference computes in f32 (drafting reads bf16)
   assert drafter.spec.kind == "domino" and drafter.block_size == 4
   assert (drafter.spec.gru_hidden_size, drafter.spec.correction_rank) == (12, 10)
   features = _features(6, 6, 3)

@@ -6,6 +6,7 @@ tests/test_real_model_commands.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -39,12 +40,16 @@ def test_block_drafter_round_trips_through_the_public_dflash_layout(real, tmp_pa
   shipped drafters' losslessness on the real model: tests/test_real_model_commands.py)."""
   drafter = drafter_io.load_drafter(SHIPPED[0], target=real.model)
   assert drafter.spec.kind == "block"
-  path = drafter_io.export_drafter(drafter, tmp_path / "dflash", format="hf",
-                                   target_name=real.name)
+  # Its draft vocabulary (the target's head restricted to 16,384 ids) is not in DFlash's
+  # layout: written and read back, it drafts over the whole head with the same weights.
+  assert drafter.spec.draft_vocab_size == 16384
+  with pytest.warns(UserWarning, match="no draft vocabulary"):
+    path = drafter_io.export_drafter(drafter, tmp_path / "dflash", format="hf",
+                                     target_name=real.name)
   with open(os.path.join(path, "config.json")) as f:
     assert json.load(f)["architectures"] == ["DFlashDraftModel"]
   loaded = drafter_io.load_drafter(path, target=real.model)
-  assert loaded.spec == drafter.spec
+  assert loaded.spec == dataclasses.replace(drafter.spec, draft_vocab_size=0)
   want, got = ({k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(d, nnx.Param))}
                for d in (drafter, loaded))
   assert sorted(want) == sorted(got)

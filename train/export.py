@@ -3,12 +3,20 @@
     python -m train.export --drafter runs/eagle3/export --out hf/eagle3 --format hf
     python -m train.export --drafter smollm2-135m-instruct-block --out hf/block --format hf
     python -m train.export --drafter HF_DIR --target TARGET --out ours/eagle3   # HF -> ours
+    python -m train.export --drafter smollm2-135m-instruct-block --out ours/block16k \
+        --draft-vocab-size 16384 --token-counts DATASET   # draft the 16,384 commonest tokens
 
 --format hf writes config.json + model.safetensors in the public layout of the
 drafter's kind (SpecForge's EAGLE-3, z-lab's DFlash, DeepSpec's DSpark, Domino's;
 servable by SGLang / vLLM); --format dloop (default) writes our own export
 (drafter.json + arrays/). The target defaults to the one our export names. See
 docs/checkpoint_formats.md.
+
+--draft-vocab-size restricts a full-vocabulary drafter whose head is the
+target's (block, DSpark, Domino) to the most frequent response tokens of a
+dataset built by `python -m train.data` (--token-counts: its directory): the
+trained weights are kept and a drafting stage reads that many head rows instead
+of the whole vocabulary's (`dloop_jax.drafters.with_draft_vocab`).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import argparse
 import json
 import os
 import sys
+
+import numpy as np
 
 
 def _parse(argv):
@@ -32,6 +42,12 @@ def _parse(argv):
   p.add_argument("--target", default=None,
                  help="target the drafter belongs to: registry name, .gguf or HF directory"
                       " (default: the target our export names)")
+  p.add_argument("--draft-vocab-size", type=int, default=0,
+                 help="restrict the drafter to this many draft ids: the most frequent response"
+                      " tokens of --token-counts (0: keep its vocabulary)")
+  p.add_argument("--token-counts", default=None,
+                 help="dataset directory (python -m train.data) whose training responses'"
+                      " token counts choose the draft vocabulary")
   return p.parse_args(argv)
 
 
@@ -48,18 +64,40 @@ def _default_target(drafter: str) -> str | None:
 
 def main(argv=None) -> int:
   args = _parse(argv)
+  from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
 
   try:
+    if bool(args.draft_vocab_size) != bool(args.token_counts):
+      raise DLoopError("--draft-vocab-size and --token-counts go together: the draft vocabulary"
+                       " is the most frequent tokens of that dataset's responses.")
     target_name = args.target or _default_target(args.drafter)
     if not target_name:
       raise DLoopError(f"{args.drafter} does not name its target; pass --target.")
     target = load_target(target_name)
     drafter = drafter_io.load_drafter(args.drafter, target=target.model)
+    metrics = extra = None
+    if args.draft_vocab_size:
+      from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+      from dloop_jax.drafters import with_draft_vocab  # pylint: disable=g-import-not-at-top
+      counts = pipeline.token_counts(args.token_counts,
+                                     vocab_size=int(target.model.config.vocab_size))
+      drafter = with_draft_vocab(drafter, counts, size=args.draft_vocab_size, target=target.model)
+      kept = counts[np.asarray(drafter.d2t[...])].sum() / max(int(counts.sum()), 1)
+      print(f"draft vocabulary: the {args.draft_vocab_size} most frequent of {int(counts.sum())}"
+            f" response tokens ({kept:.2%} of them)", file=sys.stderr)
+      info = {} if hf_format.is_hf_dir(args.drafter) else drafter_io.read_info(
+          drafter_io.resolve(args.drafter))
+      metrics = info.get("metrics")
+      # The dataset by its last two path components (name / version), not a machine's path.
+      dataset = "/".join(os.path.normpath(args.token_counts).split(os.sep)[-2:])
+      extra = dict(info.get("extra") or {}, draft_vocab={
+          "size": args.draft_vocab_size, "counted_from": dataset,
+          "response_tokens": int(counts.sum()), "share_of_response_tokens": float(kept)})
     out = drafter_io.export_drafter(drafter, args.out, target_name=target.name,
-                                    format=args.format)
+                                    format=args.format, metrics=metrics, extra=extra)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

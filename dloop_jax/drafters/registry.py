@@ -196,3 +196,52 @@ def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,
     d2t, _ = vocab_lib.draft_vocab_from_counts(token_counts, spec.draft_vocab_size)
     drafter.set_draft_vocab(d2t, target=target)
   return drafter
+
+
+def with_draft_vocab(drafter: Drafter, token_counts: np.ndarray, *, size: int,
+                     target) -> Drafter:
+  """`drafter`, drafting only the `size` most frequent ids of `token_counts`.
+
+  For drafters whose head is the target's own (frozen) head, as the block
+  family's: the trained weights are kept, and the draft logits over the kept
+  ids are unchanged, so a draft changes only where the drafter's best token
+  falls outside them (which the target would rarely accept: they are the
+  rarest tokens of the data). A drafting stage then reads `size` head rows
+  instead of the whole vocabulary's (SmolLM2: 16,384 of 49,152).
+
+  Args:
+    drafter: a drafter over the full vocabulary (draft_vocab_size 0).
+    token_counts: [V] counts of the tokens the drafter predicts (its training
+      data's responses: `dloop_jax.data.pipeline.token_counts`).
+    size: the draft vocabulary's size, 0 < size < V.
+    target: the target `Transformer` the drafter belongs to.
+
+  Raises:
+    ConfigError: the drafter already has a draft vocabulary, its weights
+      depend on the vocabulary (e.g. an EAGLE-3 head: train it with a
+      draft_vocab_size instead), or a bad size / counts shape.
+  """
+  from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
+  config = drafter_io.drafter_config_of(drafter)
+  vocab_size = int(target.config.vocab_size)
+  if int(config.get("draft_vocab_size") or 0):
+    raise ConfigError(f"The drafter already drafts over a vocabulary of"
+                      f" {config['draft_vocab_size']} ids; restrict a full-vocabulary one.")
+  if not 0 < size < vocab_size:
+    raise ConfigError(f"A draft vocabulary size must be in (0, {vocab_size}), got {size}.")
+  token_counts = np.asarray(token_counts)
+  if token_counts.shape != (vocab_size,):
+    raise ConfigError(f"token_counts must have shape ({vocab_size},), got {token_counts.shape}.")
+  restricted = build_drafter(dict(config, draft_vocab_size=int(size)), target=target,
+                             rngs=nnx.Rngs(0))
+
+  def layout(d):
+    return {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(d, nnx.Param))}
+
+  if layout(restricted) != layout(drafter):
+    raise ConfigError(f"The {config.get('kind')} drafter's weights depend on its vocabulary"
+                      " (its own head); train it with a draft_vocab_size instead.")
+  nnx.update(restricted, nnx.state(drafter, nnx.Param))
+  d2t, _ = vocab_lib.draft_vocab_from_counts(token_counts, int(size))
+  restricted.set_draft_vocab(d2t, target=target)
+  return restricted

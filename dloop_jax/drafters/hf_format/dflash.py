@@ -15,6 +15,7 @@ a row of the target's embedding (the id of that row is written).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -136,11 +137,20 @@ def read(hf, tensors, target, *, source):
   return dict(config, kind="block", block_size=int(block) - 1), params, {}, None
 
 
-def backbone_layout(drafter, dtype, *, what: str
+def backbone_layout(drafter, dtype, *, what: str, drop_draft_vocab: bool = False
                     ) -> tuple[dict[str, Any], dict[str, np.ndarray], int]:
-  """(config.json base, backbone tensors, mask_token_id) of a block-family drafter."""
+  """(config.json base, backbone tensors, mask_token_id) of a block-family drafter.
+
+  `drop_draft_vocab`: a draft vocabulary (the target's head restricted to the
+  commonest ids, `with_draft_vocab`: no weights of its own) is left out, with a
+  warning: the layout's drafter drafts over the whole vocabulary.
+  """
   s, tc = drafter.spec, drafter.target_config
-  if drafter.reduced_vocab:
+  if drafter.reduced_vocab and drop_draft_vocab:
+    warnings.warn(f"The {what} layout has no draft vocabulary: the drafter is written to draft"
+                  f" over the target's whole head, not its {s.draft_vocab_size} draft ids"
+                  " (its weights do not depend on them).", stacklevel=2)
+  elif drafter.reduced_vocab:
     raise CheckpointFormatError(
         f"This drafter drafts over a reduced vocabulary ({s.draft_vocab_size} ids); the {what}"
         " layout has no draft vocabulary (it always uses the target's whole head).")
@@ -177,7 +187,8 @@ def backbone_layout(drafter, dtype, *, what: str
 
 
 def layout(drafter, dtype) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  config, tensors, mask_id = backbone_layout(drafter, dtype, what="DFlash")
+  config, tensors, mask_id = backbone_layout(drafter, dtype, what="DFlash",
+                                             drop_draft_vocab=True)
   block = drafter.spec.block_size + 1
   dflash = {"mask_token_id": mask_id, "target_layer_ids": list(drafter.taps),
             "block_size": block}
