@@ -66,7 +66,7 @@ def _parse(argv):
                       " 0: chains")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest pause (rounds) of drafting after fruitless rounds (default: 64"
-                      " with --schedule cost or --fixed-width, else 0)")
+                      " with --schedule cost, else 0)")
   p.add_argument("--fixed-width", type=int, default=0,
                  help="W > 0: every target forward after prefill W tokens wide (decode steps"
                       " padded, every draft verified; W >= 1 + S_max * gamma): every mode's"

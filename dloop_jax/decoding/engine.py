@@ -606,10 +606,10 @@ def _prepare(
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
   if draft_backoff is None:
-    # A fixed width is a choice for speed: pausing a failing drafter saves its
-    # stages, and a paused step costs what a verification costs.
-    draft_backoff = (DEFAULT_DRAFT_BACKOFF if static.schedule == "cost" or static.fixed_width
-                     else 0)
+    # At a fixed width a paused step costs what a verification costs, so a pause
+    # saves only the drafting stage: drafting every round measured 1.10x faster
+    # than the 64-round back-off with the shipped block drafter (bf16, W = 5).
+    draft_backoff = DEFAULT_DRAFT_BACKOFF if static.schedule == "cost" else 0
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths),
           jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_array), key,
           jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
@@ -689,7 +689,7 @@ def generate(
       drafting after rounds whose drafts were all rejected or not worth
       verifying (`decoding.draft_policy`: pauses double from 1 up to this;
       rounds in a pause are plain decode steps); 0 drafts every round. None:
-      `DEFAULT_DRAFT_BACKOFF` with schedule="cost" or a fixed_width, else 0. A traced
+      `DEFAULT_DRAFT_BACKOFF` with schedule="cost", else 0 (fixed widths too). A traced
       value: changing it does not recompile.
     tree_budget: ("sd" / "dloop") B > 0 drafts a tree of the B best prefixes
       per stage (DDTree) and verifies the whole tree in one target forward

@@ -87,7 +87,7 @@ def _parse(argv):
                  help="verification schedules of sd / dloop: cost (the prefix that pays; methods"
                       " sd, dloop) and off (every draft; sd/all, dloop/all)")
   p.add_argument("--draft-backoff", type=int, default=None,
-                 help="longest drafting pause after fruitless rounds (default: 8 with schedule"
+                 help="longest drafting pause after fruitless rounds (default: 64 with schedule"
                       " cost, 0 with off; the gate sweep always drafts)")
   p.add_argument("--costs", default=None,
                  help="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
