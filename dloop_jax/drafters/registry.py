@@ -232,8 +232,10 @@ def with_draft_vocab(drafter: Drafter, token_counts: np.ndarray, *, size: int,
   token_counts = np.asarray(token_counts)
   if token_counts.shape != (vocab_size,):
     raise ConfigError(f"token_counts must have shape ({vocab_size},), got {token_counts.shape}.")
+  # The most frequent ids as the draft vocabulary (build_drafter), then the
+  # trained weights (the maps are no parameters: they stay).
   restricted = build_drafter(dict(config, draft_vocab_size=int(size)), target=target,
-                             rngs=nnx.Rngs(0))
+                             rngs=nnx.Rngs(0), token_counts=token_counts)
 
   def layout(d):
     return {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(d, nnx.Param))}
@@ -242,6 +244,4 @@ def with_draft_vocab(drafter: Drafter, token_counts: np.ndarray, *, size: int,
     raise ConfigError(f"The {config.get('kind')} drafter's weights depend on its vocabulary"
                       " (its own head); train it with a draft_vocab_size instead.")
   nnx.update(restricted, nnx.state(drafter, nnx.Param))
-  d2t, _ = vocab_lib.draft_vocab_from_counts(token_counts, int(size))
-  restricted.set_draft_vocab(d2t, target=target)
   return restricted

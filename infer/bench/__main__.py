@@ -347,14 +347,15 @@ def main(argv=None) -> int:
     for m in methods:
       first_compile[m.label] = m.run(prompts[0][1]).compile_seconds
 
+    # Each output's reference: our ar on the same weights, at the same fixed width
+    # if any (bit-identical outputs).
+    def ar_key(m):
+      return getattr(m, "weights", ""), getattr(m, "fixed_width", 0)
+
     records = []
     for i, (p, ids) in enumerate(prompts):
       runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
-      # The reference is our ar on the same weights, at the same fixed width if any
-      # (bit-identical outputs).
-      def ar_key(m):
-        return getattr(m, "weights", ""), getattr(m, "fixed_width", 0)
       ar_tokens = {ar_key(m): rec["tokens"] for m, rec in zip(methods, recs)
                    if getattr(m, "method", "") == "ar"}
       for m, rec in zip(methods, recs):

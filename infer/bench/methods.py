@@ -67,7 +67,6 @@ class Ours:
   fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
   weights: str = ""  # the target's weight storage when not the run's reference ("bf16"); "": it
 
-
   @property
   def method_name(self) -> str:
     """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is
