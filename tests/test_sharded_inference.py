@@ -81,6 +81,24 @@ _SCRIPT = textwrap.dedent(r"""
                     for p, a, b in zip(prompts, reference.tokens, got.tokens)],
           accepted=got.total.accepted if kw["mode"] != "ar" else 0)
 
+    # bf16 weights: the layers hold their matrices out-major on the mesh too.
+    one16 = load_target(sys.argv[1], weights="bf16").model
+    split16 = load_target(sys.argv[1], mesh=mesh, weights="bf16").model
+    layer16 = split16.layers[0]
+    ref16 = generate(one16, prompts, max_new_tokens=14)
+    got16 = generate(split16, prompts, max_new_tokens=14, mode="sd", drafter=fixture,
+                     block_size=3, schedule="off")
+    out["bf16"] = dict(
+        specs={n: [a for a in getattr(layer16, n)[...].sharding.spec]
+               for n in ("wqkv", "wo", "w_gate_up", "w_down")},
+        shard_shapes={n: sorted({tuple(s.data.shape)
+                                 for s in getattr(layer16, n)[...].addressable_shards})
+                      for n in ("wqkv", "wo", "w_gate_up", "w_down")},
+        same_params=all(np.array_equal(v, one16.flat_params()[k])
+                        for k, v in split16.flat_params().items()),
+        lossless=[compare(one16, p, a, b).lossless
+                  for p, a, b in zip(prompts, ref16.tokens, got16.tokens)])
+
     errors = {}
     try:
       generate(split, prompts[:3], max_new_tokens=4)
@@ -173,6 +191,17 @@ def test_weights_and_kv_heads_are_split(results):
   assert results["embed_shards"] == [[32, 64]]  # vocabulary 128 / 4
   # Cache [B * K, C, H] = [2 * 4, 8, 8] over data x tensor: one (row, kv head) each.
   assert results["kv_shards"] == [[1, 8, 8]]
+
+
+def test_bf16_weights_are_split_out_major(results):
+  b = results["bf16"]
+  assert b["same_params"]
+  # The transposed matrices [N, K] keep the split of the same dimension.
+  assert b["specs"] == {"wqkv": ["tensor", None], "wo": [None, "tensor"],
+                        "w_gate_up": ["tensor", None], "w_down": [None, "tensor"]}
+  assert b["shard_shapes"] == {"wqkv": [[32, 64]], "wo": [[64, 16]],
+                               "w_gate_up": [[48, 64]], "w_down": [[64, 24]]}
+  assert all(b["lossless"]), b
 
 
 def test_fallback_when_tensor_does_not_divide_kv_heads(results):

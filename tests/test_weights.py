@@ -16,7 +16,8 @@ from dloop_jax.decoding import generate
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import load_target
 from dloop_jax.models.registry import weight_dtype
-from dloop_jax.models.transformer import MATRIX_WEIGHTS, Transformer, dense, project_rows, take_rows
+from dloop_jax.models.transformer import (LAYER_MATRICES, MATRIX_WEIGHTS, Transformer, dense,
+                                          dense_out_major, param_shapes, project_rows, take_rows)
 from lossless import assert_same_or_near_tie
 
 
@@ -39,6 +40,40 @@ def test_single_row_product_equals_its_row_in_a_wider_product():
   head = jnp.asarray(rng.standard_normal((200, 96)) * 0.1, jnp.bfloat16)  # tied head [V, D]
   np.testing.assert_array_equal(np.asarray(jax.jit(project_rows)(rows[:1], head)[0]),
                                 np.asarray(jax.jit(project_rows)(rows, head)[0]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 64, 600])
+def test_out_major_product_gives_a_row_the_bits_it_has_among_others(rows):
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.standard_normal((160, 96)) * 0.1, jnp.bfloat16)  # [N, K]
+  x = jnp.asarray(rng.standard_normal((600, 96)), jnp.float32)
+  got = jax.jit(dense_out_major)(x[:rows].reshape(1, rows, 96), w)
+  assert got.shape == (1, rows, 160) and got.dtype == jnp.float32
+  exact = np.asarray(x[:rows], np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+  np.testing.assert_allclose(np.asarray(got[0]), exact, rtol=0, atol=0.05)
+  if rows <= 64:  # up to HALF_WEIGHTS_LEFT_MAX_ROWS: the same kernel
+    np.testing.assert_array_equal(np.asarray(got[0, 0]),
+                                  np.asarray(jax.jit(dense_out_major)(x[:2], w)[0]))
+
+
+def test_bf16_layers_hold_matrices_out_major(tiny, tiny_bf16):
+  assert tiny_bf16.out_major and not tiny.out_major
+  shapes = param_shapes(tiny.config)
+  for name in LAYER_MATRICES:
+    k, n = shapes[f"layers.{name}"][1:]
+    assert getattr(tiny_bf16.layers[0], name)[...].shape == (n, k)
+    assert getattr(tiny.layers[0], name)[...].shape == (k, n)
+  # Files and loaders see the [K, N] layout: the flat parameters round-trip.
+  params = tiny_bf16.flat_params()
+  assert {k: v.shape for k, v in params.items()} == shapes
+  again = Transformer.from_params(tiny.config, params, weight_dtype=jnp.bfloat16).flat_params()
+  for name, value in params.items():
+    np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(value))
+  # A randomly initialised bf16 target is the f32 one, rounded.
+  rand16 = Transformer(tiny.config, weight_dtype=jnp.bfloat16).flat_params()
+  rand32 = Transformer(tiny.config).flat_params()
+  for name in ("layers.wqkv", "layers.w_down"):
+    np.testing.assert_array_equal(rand16[name], np.asarray(rand32[name], rand16[name].dtype))
 
 
 def _dot_lhs_shapes(jaxpr) -> list[tuple[int, ...]]:

@@ -169,12 +169,14 @@ def _weight_dtypes(target) -> list[str]:
 
 
 def cache_key(target, *, batch_size: int) -> dict:
-  """What a table depends on: target config, weights' dtypes, software, machine, batch."""
+  """What a table depends on: target config, weights' dtypes and layout, software, machine, batch."""
   config = json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str)
   device = jax.devices()[0]
   key = dict(target=getattr(target.config, "name", "") or "",
              config=hashlib.sha256(config.encode()).hexdigest()[:16],
-             weights=_weight_dtypes(target), jax=jax.__version__, backend=jax.default_backend(),
+             weights=_weight_dtypes(target),
+             matrices="out_major" if getattr(target, "out_major", False) else "in_major",
+             jax=jax.__version__, backend=jax.default_backend(),
              device_kind=device.device_kind, batch_size=int(batch_size),
              capacity=_capacity(target))
   if getattr(target, "mesh", None) is not None:

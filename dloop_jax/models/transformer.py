@@ -8,7 +8,9 @@ doubles the memory traffic of a batch-1 decode step. q/k/v and gate/up
 projections are fused into single matmuls.
 
 Loaders and `flat_params` speak the stacked layout below (one array per weight
-kind, layers on axis 0); `from_params` splits it into the layers.
+kind, layers on axis 0); `from_params` splits it into the layers. In memory,
+16-bit layer matrices are held out-major, transposed to [N, K] (see
+`LAYER_MATRICES`); the layout below is the one every file and loader sees.
 
     embed                [V, D]
     layers.attn_norm     [L, D]
@@ -105,6 +107,14 @@ LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_nor
 # The matrices that `weight_dtype` applies to (norms and biases stay in `dtype`).
 MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate_up",
                   "layers.w_down")
+# A layer's matrices [K, N]. Stored in 16 bits, a layer holds them out-major,
+# transposed to [N, K], and multiplies them with the matrix on the left (see
+# `_product`): on XLA:CPU (AVX-512 / AMX Xeon, SmolLM2's 30 layers, bf16
+# weights) that streams them at memory speed for 1 to 256 rows, 8.3-9.7 ms for
+# 1-13 rows against 18-22 ms stored [K, N] (f32 [K, N]: 16 ms for one row,
+# 44 ms for 13), and gives a row the same bits whatever the number of rows
+# beside it, so a 1-token step and a wide verification agree exactly.
+LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def random_layer_weights(config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -136,12 +146,14 @@ class DecoderLayer(nnx.Module):
 
   Weights (names as in `param_shapes`, without the layer axis): attn_norm [D],
   wqkv [D, Q + 2 KV], optional bqkv [Q + 2 KV], optional q_norm / k_norm [H],
-  wo [Q, D], mlp_norm [D], w_gate_up [D, 2 F], w_down [F, D].
+  wo [Q, D], mlp_norm [D], w_gate_up [D, 2 F], w_down [F, D]; with
+  `out_major` the four matrices are held transposed (wqkv [Q + 2 KV, D], ...).
   """
 
-  def __init__(self, weights: Mapping[str, jax.Array]):
+  def __init__(self, weights: Mapping[str, jax.Array], *, out_major: bool = False):
     for name in LAYER_WEIGHTS:
       setattr(self, name, nnx.Param(weights[name]) if name in weights else None)
+    self.out_major = out_major
 
   def weights(self) -> dict[str, jax.Array]:
     return {n: getattr(self, n)[...] for n in LAYER_WEIGHTS if getattr(self, n) is not None}
@@ -165,8 +177,9 @@ class DecoderLayer(nnx.Module):
     c = config
     b, t, _ = h.shape
     eps = c.rms_norm_eps
+    mm = dense_out_major if self.out_major else dense
     x = rms_norm(h, self.attn_norm[...], eps)
-    qkv = dense(x, self.wqkv[...])
+    qkv = mm(x, self.wqkv[...])
     if self.bqkv is not None:
       qkv = qkv + self.bqkv[...]
     q, k, v = _split_qkv(qkv, config=c, groups=groups[0])
@@ -182,10 +195,10 @@ class DecoderLayer(nnx.Module):
       cache_mask, new_mask = masks
       out = attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
                                cache_mask=cache_mask, new_mask=new_mask)
-    h = h + dense(out, self.wo[...])
+    h = h + mm(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
-    gate, up = _split_gate_up(dense(x, self.w_gate_up[...]), groups=groups[1])
-    h = h + dense(jax.nn.silu(gate) * up, self.w_down[...])
+    gate, up = _split_gate_up(mm(x, self.w_gate_up[...]), groups=groups[1])
+    h = h + mm(jax.nn.silu(gate) * up, self.w_down[...])
     return h, k_cache, v_cache, k, v
 
 
@@ -230,6 +243,10 @@ def _is_half(dtype) -> bool:
 # inside the decode loop (1.82 -> 1.54 ms alone), the block drafter's 16,384
 # draft rows over a stage's 4 positions 0.66 -> 0.60 ms alone.
 WEIGHTS_LEFT_MAX_ROWS = 8
+# 16-bit rows go on the left up to this many rows (measured faster up to 256,
+# a 1,024-token prompt's prefill included; beyond, the [V, rows] result's
+# transpose grows with the rows: a training batch keeps the usual form).
+HALF_WEIGHTS_LEFT_MAX_ROWS = 512
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -280,12 +297,16 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
   lead = x.shape[:-1]
   rows = int(np.prod(lead)) if lead else 1
   flat = x.reshape(rows, x.shape[-1])
-  if contract == 1 and 1 < rows <= WEIGHTS_LEFT_MAX_ROWS:
-    # w [N, K] @ flat.T: see WEIGHTS_LEFT_MAX_ROWS.
+  half = _is_half(w.dtype)
+  if contract == 1 and (1 < rows <= WEIGHTS_LEFT_MAX_ROWS
+                        or half and rows <= HALF_WEIGHTS_LEFT_MAX_ROWS):
+    # w [N, K] @ flat.T: see WEIGHTS_LEFT_MAX_ROWS and LAYER_MATRICES.
+    if rows == 1:
+      flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
     out = jnp.transpose(jax.lax.optimization_barrier(
-        f32_dot_general(w, flat, (((1,), (1,)), ((), ())))))
+        f32_dot_general(w, flat, (((1,), (1,)), ((), ())))))[:rows]
   else:
-    if rows == 1 and _is_half(w.dtype):
+    if rows == 1 and half:
       flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
     out = f32_dot_general(flat, w, (((1,), (contract,)), ((), ())))[:rows]
   return out.reshape(lead + (out.shape[-1],)), out_dtype
@@ -299,6 +320,12 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   if x.dtype == w.dtype and not _is_half(w.dtype):
     return x @ w
   out, dtype = _product(x, w, 0)
+  return out.astype(dtype)
+
+
+def dense_out_major(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] @ w [N, K].T -> [..., N] in x's dtype: a matrix held out-major."""
+  out, dtype = _product(x, w, 1)
   return out.astype(dtype)
 
 
@@ -468,11 +495,21 @@ def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax
   return _ungroup(out, batch=b, num_new=t)
 
 
-def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int,
-                  put=lambda name, w: jnp.asarray(w)) -> nnx.List:
-  """Stacked weights -> one `DecoderLayer` each; `put(name, layer's array)` places them."""
-  return nnx.List([DecoderLayer({name: put(f"layers.{name}", w[i]) for name, w in stacked.items()})
+def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int, *,
+                  out_major: bool, put=lambda name, w: jnp.asarray(w)) -> nnx.List:
+  """Stacked weights -> one `DecoderLayer` each; `put(name, layer's array)` places them.
+
+  With `out_major` the layer matrices of `stacked` are already transposed.
+  """
+  return nnx.List([DecoderLayer({name: put(f"layers.{name}", w[i]) for name, w in stacked.items()},
+                                out_major=out_major)
                    for i in range(num_layers)])
+
+
+def _swap_matrix_axes(stacked: dict[str, Any]) -> dict[str, Any]:
+  """Layer matrices [L, K, N] <-> [L, N, K] (`LAYER_MATRICES`); the rest as is."""
+  return {name: (w.swapaxes(-1, -2) if name in LAYER_MATRICES else w)
+          for name, w in stacked.items()}
 
 
 class Transformer(nnx.Module):
@@ -504,7 +541,9 @@ class Transformer(nnx.Module):
         "embed", init(rngs.params(), (c.vocab_size, c.hidden_size), dtype)))
     stacked = random_layer_weights(c, rngs=rngs, dtype=dtype, init_std=init_std)
     stacked = {name: self._stored(f"layers.{name}", w) for name, w in stacked.items()}
-    self.layers = _split_layers(stacked, c.num_layers)
+    if self.out_major:
+      stacked = _swap_matrix_axes(stacked)
+    self.layers = _split_layers(stacked, c.num_layers, out_major=self.out_major)
     self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), dtype))
     self.lm_head = (None if c.tie_embeddings else nnx.Param(self._stored(
         "lm_head", init(rngs.params(), (c.hidden_size, c.vocab_size), dtype))))
@@ -517,6 +556,11 @@ class Transformer(nnx.Module):
     return jnp.asarray(value, dtype)
 
   # ----------------------------------------------------------------- weights
+  @property
+  def out_major(self) -> bool:
+    """Whether the layers hold their matrices transposed (16-bit storage, `LAYER_MATRICES`)."""
+    return _is_half(self.weight_dtype)
+
   @property
   def mesh(self) -> jax.sharding.Mesh | None:
     """The mesh the weights are split over (None: one device)."""
@@ -555,11 +599,15 @@ class Transformer(nnx.Module):
     lay = sharding_lib.layout(config, mesh) if mesh is not None else None
     model.layout = lay
 
+    out_major = model.out_major
+
     def put(name, value):
       if lay is None:
         return jnp.asarray(value)
-      return sharding_lib.place(np.asarray(value), sharding_lib.param_spec(name, config, lay),
-                                lay.mesh)
+      spec = sharding_lib.param_spec(name, config, lay)
+      if out_major and name.split(".", 1)[-1] in LAYER_MATRICES and name.startswith("layers."):
+        spec = jax.sharding.PartitionSpec(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
+      return sharding_lib.place(np.asarray(value), spec, lay.mesh)
 
     model.embed = nnx.Param(put("embed", model._stored("embed", np.asarray(params["embed"]))))
     model.final_norm = nnx.Param(put("final_norm", np.asarray(params["final_norm"], dtype)))
@@ -574,7 +622,9 @@ class Transformer(nnx.Module):
           value = sharding_lib.interleave_columns(
               value, sharding_lib.fused_blocks(config)[name], sharding_lib.groups_of(name, lay))
         stacked[name.split(".", 1)[1]] = value
-    model.layers = _split_layers(stacked, config.num_layers, put)
+    if out_major:
+      stacked = _swap_matrix_axes(stacked)
+    model.layers = _split_layers(stacked, config.num_layers, out_major=out_major, put=put)
     return model
 
   def flat_params(self) -> dict[str, np.ndarray]:
@@ -582,8 +632,11 @@ class Transformer(nnx.Module):
     out = {"embed": np.asarray(self.embed[...]), "final_norm": np.asarray(self.final_norm[...])}
     if self.lm_head is not None:
       out["lm_head"] = np.asarray(self.lm_head[...])
-    for name in self.layers[0].weights():
-      out[f"layers.{name}"] = np.stack([np.asarray(l.weights()[name]) for l in self.layers])
+    stacked = {name: np.stack([np.asarray(l.weights()[name]) for l in self.layers])
+               for name in self.layers[0].weights()}
+    if self.out_major:
+      stacked = _swap_matrix_axes(stacked)
+    out.update({f"layers.{name}": w for name, w in stacked.items()})
     if self.layout is not None:
       for name, sizes in sharding_lib.fused_blocks(self.config).items():
         if name in out:
