@@ -132,9 +132,11 @@ def test_drafting_reads_bf16_layers_sliced_once(tiny, examples, drafters):
   for i, layer in enumerate(state.layers):
     assert layer["w_gate_up"].dtype == jnp.bfloat16 and layer["wo"].dtype == jnp.bfloat16
     assert layer["attn_norm"].dtype == drafter.attn_norm[...].dtype  # norms keep theirs
+    # Held out-major ([N, K], as the bf16 target's layers).
     np.testing.assert_array_equal(np.asarray(layer["w_down"], np.float32),
-                                  np.asarray(drafter.w_down[...][i].astype(jnp.bfloat16),
+                                  np.asarray(drafter.w_down[...][i].T.astype(jnp.bfloat16),
                                              np.float32))
+  assert drafter.drafts_out_major
   # Drafts close to those of the layers' own (f32) dtype.
   exact = nnx.clone(drafter)
   exact.draft_layer_dtype = None
@@ -150,7 +152,7 @@ def test_drafting_reads_bf16_layers_sliced_once(tiny, examples, drafters):
   generate(tiny, [[3, 1, 4, 1, 5]], max_new_tokens=9, mode="sd", drafter=drafter,
            block_size=3, schedule="off")
   _, d, inner = drafter.w_gate_up[...].shape
-  per_layer = re.compile(rf"= (f32|bf16)\[{d},{inner}\]\{{[0-9,]*\}} \S+\(")
+  per_layer = re.compile(rf"= (f32|bf16)\[({d},{inner}|{inner},{d})\]\{{[0-9,]*\}} \S+\(")
   programs = [c.as_text() for c in engine._COMPILED.values()]
   programs = [t for t in programs if f"[2,{d},{inner}]" in t]
   assert programs

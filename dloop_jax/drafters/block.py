@@ -64,8 +64,8 @@ from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import (Transformer, dense, project_rows, rms_norm,
-                                          take_rows)
+from dloop_jax.models.transformer import (Transformer, dense, dense_out_major, project_rows,
+                                          rms_norm, take_rows)
 
 
 @struct.dataclass
@@ -104,7 +104,8 @@ DRAFT_HEAD_DTYPE = jnp.bfloat16
 # The same for the layers' matrices while drafting (converted once per
 # generation; a drafter's `draft_layer_dtype`): a stage's few rows times 16-bit
 # matrices stream half the bytes (SmolLM2's block drafter: 0.58 -> 0.37 ms per
-# [576 x 3,072] product of a stage's 5 rows, 2-core Xeon).
+# [576 x 3,072] product of a stage's 5 rows, 2-core Xeon). In 16 bits they are
+# also held out-major, as the target's layers are (`transformer.LAYER_MATRICES`).
 DRAFT_LAYER_DTYPE = jnp.bfloat16
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -274,16 +275,27 @@ class BlockDrafter(Drafter):
     slice out of a loop (it counts as too cheap to be worth it), so slices of
     the stacked parameters inside the engine's round loop copied every layer
     matrix in every drafting stage (2.8 ms of a 42 ms round of SmolLM2's block
-    drafter on a 2-core Xeon). The matrices are read in `draft_layer_dtype`.
+    drafter on a 2-core Xeon). The matrices are read in `draft_layer_dtype`,
+    transposed ([N, K]) when that is a 16-bit dtype (`drafts_out_major`).
     """
     dtype = self.draft_layer_dtype
-    return tuple({name: (w.astype(dtype) if dtype is not None and name in _MATRICES else w)
+    if dtype is None:
+      return self.layer_weights()
+    out_major = self.drafts_out_major
+    return tuple({name: ((w.T if out_major else w).astype(dtype) if name in _MATRICES else w)
                   for name, w in layer.items()} for layer in self.layer_weights())
+
+  @property
+  def drafts_out_major(self) -> bool:
+    """Whether `drafting_layers` holds the matrices transposed (16-bit `draft_layer_dtype`)."""
+    dtype = self.draft_layer_dtype
+    return dtype is not None and jnp.dtype(dtype).itemsize == 2
 
   def run_blocks(self, x: jax.Array, *, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
                  ctx_mask: jax.Array, own_k: jax.Array | None = None,
                  own_v: jax.Array | None = None,
-                 layer_weights: tuple[dict[str, jax.Array], ...] | None = None) -> jax.Array:
+                 layer_weights: tuple[dict[str, jax.Array], ...] | None = None,
+                 out_major: bool = False) -> jax.Array:
     """The decoder layers over query blocks.
 
     Args:
@@ -295,6 +307,8 @@ class BlockDrafter(Drafter):
         (loop-aware training: the stand-in context of its earlier stages).
       layer_weights: `layer_weights()` when the caller has them (drafting:
         `BlockState.layers`).
+      out_major: the matrices of `layer_weights` are transposed, [N, K]
+        (`drafting_layers`).
 
     Returns:
       [B, A, Q, D] last layer outputs (before the final norm).
@@ -306,8 +320,10 @@ class BlockDrafter(Drafter):
       layer_weights = self.layer_weights()
     eps = self.eps
 
+    mm = dense_out_major if out_major else dense
+
     def layer(h, w, ck, cv, ok, ov):
-      qkv = dense(rms_norm(h, w["attn_norm"], eps), w["wqkv"])
+      qkv = mm(rms_norm(h, w["attn_norm"], eps), w["wqkv"])
       q = qkv[..., :s.q_size].reshape(b, a, nq, s.num_heads, s.head_dim)
       k = qkv[..., s.q_size:s.q_size + s.kv_size].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
       v = qkv[..., s.q_size + s.kv_size:].reshape(b, a, nq, s.num_kv_heads, s.head_dim)
@@ -319,8 +335,9 @@ class BlockDrafter(Drafter):
         k = jnp.concatenate([ok, k], axis=2)
         v = jnp.concatenate([ov, v], axis=2)
       out = layers.block_attention(q, ctx_k=ck, ctx_v=cv, ctx_mask=ctx_mask, own_k=k, own_v=v)
-      h = h + dense(out, w["wo"])
-      return h + layers.swiglu(rms_norm(h, w["mlp_norm"], eps), w["w_gate_up"], w["w_down"])
+      h = h + mm(out, w["wo"])
+      return h + layers.swiglu(rms_norm(h, w["mlp_norm"], eps), w["w_gate_up"], w["w_down"],
+                               dense=mm)
 
     # Unrolled (a drafter has a few layers): a scan would re-slice (and, for
     # 16-bit weights on XLA:CPU, re-convert) every layer's matrices per stage.
@@ -371,7 +388,8 @@ class BlockDrafter(Drafter):
     positions = (n[:, None] + jnp.arange(x.shape[2])[None, :])[:, None]
     ctx_mask = (jnp.arange(capacity)[None, :] < n[:, None])[:, None]  # [B, 1, C]
     h = self.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
-                        ctx_mask=ctx_mask, layer_weights=state.layers)[:, 0, -block_size:]
+                        ctx_mask=ctx_mask, layer_weights=state.layers,
+                        out_major=self.drafts_out_major)[:, 0, -block_size:]
     # Stand-in context for the unverified positions n .. n + gamma - 1 (next stage).
     state = self._write_context(state, self.stand_in(h), n)
     return state.replace(lengths=n + block_size), h

@@ -32,8 +32,9 @@ def inverse_frequencies(target_config: TransformerConfig, head_dim: int) -> np.n
   return rope_lib.inverse_frequencies(dataclasses.replace(target_config, head_dim=head_dim))
 
 
-def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """Llama MLP with fused gate/up: x [..., D] -> [..., D] (`dense` products)."""
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, dense=dense) -> jax.Array:
+  """Llama MLP with fused gate/up: x [..., D] -> [..., D] (`dense` products; for matrices
+  held out-major, `transformer.dense_out_major`)."""
   gate, up = jnp.split(dense(x, w_gate_up), 2, axis=-1)
   return dense(jax.nn.silu(gate) * up, w_down)
 
