@@ -1,6 +1,7 @@
 """`python -m infer`: generate with a target model (and a drafter) from the command line.
 
-    python -m infer --prompt "What is 2 + 2?"
+    python -m infer --prompt "What is 2 + 2?"     # dloop, bf16 weights, forwards 5 tokens wide
+    python -m infer --weights f32 --fixed-width 0   # f32 weights, forwards as wide as needed
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
@@ -16,6 +17,31 @@ import argparse
 import json
 import math
 import sys
+
+
+# With bf16 weights every mode runs at this width by default: greedy outputs of
+# ar, sd and dloop then agree bit for bit (docs/decoding.md), at about the cost
+# of 1-token forwards (docs/benchmarks.md).
+DEFAULT_FIXED_WIDTH = 5
+DEFAULT_MAX_STAGES = 3
+
+
+def _decoding_shape(args, *, mode: str) -> tuple[int, int | None, int]:
+  """(fixed width, block size, max stages) from the flags and their defaults.
+
+  Unset, the fixed width is DEFAULT_FIXED_WIDTH for bf16 weights and chains
+  (0 with an explicit --schedule cost, which verifies prefixes of the drafts);
+  dloop then drafts 2 stages of 2 (sd: the drafter's gamma, 4 for the shipped
+  drafters) unless --block-size / --max-stages say otherwise.
+  """
+  width = args.fixed_width
+  if width is None:
+    chains = not args.tree_budget and args.schedule != "cost"
+    width = DEFAULT_FIXED_WIDTH if args.weights == "bf16" and chains else 0
+    if width and mode == "dloop" and args.block_size is None and args.max_stages is None:
+      return width, 2, 2
+  max_stages = DEFAULT_MAX_STAGES if args.max_stages is None else args.max_stages
+  return width, args.block_size, max_stages
 
 
 def _parse(argv):
@@ -37,16 +63,21 @@ def _parse(argv):
   p.add_argument("--drafter", help="drafter name, exported drafter directory, or an EAGLE-3 /"
                                     " DFlash / DSpark / Domino checkpoint directory in its Hugging Face layout"
                                     " (default: the best drafter shipped for the target)")
-  p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
+  p.add_argument("--block-size", type=int, default=None,
+                 help="gamma: drafts per stage (default: the drafter's; dloop at the default"
+                      " fixed width: 2)")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
-  p.add_argument("--max-stages", type=int, default=3, help="S_max: stages per verification")
+  p.add_argument("--max-stages", type=int, default=None,
+                 help="S_max: stages per verification (default 3; dloop at the default fixed"
+                      " width: 2)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="the target's compute dtype (activations, KV cache): float32 on CPU,"
                       " bfloat16 on accelerators (logits and acceptance stay f32)")
-  p.add_argument("--weights", choices=("f32", "bf16"), default=None,
-                 help="storage of the target's weight matrices (default: as --dtype). With"
-                      " --dtype float32, bf16 makes multi-token forwards cheaper on CPU"
-                      " (docs/benchmarks.md); --dtype bfloat16 needs bf16 (docs/scaling.md)")
+  p.add_argument("--weights", choices=("f32", "bf16"), default="bf16",
+                 help="storage of the target's weight matrices (default bf16: products in f32"
+                      " from bf16 operands, the fastest measured on CPU and accelerators,"
+                      " docs/benchmarks.md); f32 with --dtype float32 for full-precision weights;"
+                      " --dtype bfloat16 needs bf16 (docs/scaling.md)")
   p.add_argument("--mesh", default=None,
                  help="decode on a device mesh, e.g. data=2,tensor=4: prompts in batches"
                       " of data rows, the target's weights and KV heads split over tensor"
@@ -67,11 +98,13 @@ def _parse(argv):
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest pause (rounds) of drafting after fruitless rounds (default: 64"
                       " with --schedule cost, else 0)")
-  p.add_argument("--fixed-width", type=int, default=0,
+  p.add_argument("--fixed-width", type=int, default=None,
                  help="W > 0: every target forward after prefill W tokens wide (decode steps"
                       " padded, every draft verified; W >= 1 + S_max * gamma): every mode's"
                       " greedy output then equals --mode ar --fixed-width W bit for bit, bf16"
-                      " weights included (docs/decoding.md)")
+                      " weights included (docs/decoding.md); 0: each forward as wide as its"
+                      f" tokens. Default: {DEFAULT_FIXED_WIDTH} with bf16 weights and chains"
+                      " (a forward of 5 tokens costs about one of 1 with them), else 0")
   p.add_argument("--costs", default=None,
                  help="JSON cost table to schedule with (default: $DLOOP_COSTS, else the"
                       " cached table of the target, measured on first use; see"
@@ -113,6 +146,7 @@ def main(argv=None) -> int:
       if name:
         drafter = drafter_io.load_drafter(name, target=target.model)
     mode = args.mode or ("dloop" if drafter is not None else "ar")
+    fixed_width, block_size, max_stages = _decoding_shape(args, mode=mode)
     if mode != "ar" and drafter is None:
       raise DLoopError(
           f"mode {mode!r} needs a drafter, and no drafter is available for target"
@@ -136,21 +170,21 @@ def main(argv=None) -> int:
       batch = encoded[start:start + rows_per_call]
       out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
                      max_new_tokens=args.max_new_tokens, mode=mode,
-                     drafter=drafter, block_size=args.block_size, gate=args.gate,
-                     max_stages=args.max_stages, sampling=sampling, seed=args.seed,
+                     drafter=drafter, block_size=block_size, gate=args.gate,
+                     max_stages=max_stages, sampling=sampling, seed=args.seed,
                      stop_tokens=stop, schedule=args.schedule, costs=args.costs,
                      draft_backoff=args.draft_backoff, tree_budget=args.tree_budget,
-                     confidence=args.confidence, fixed_width=args.fixed_width)
+                     confidence=args.confidence, fixed_width=fixed_width)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
-                drafter=drafter, tok=tok)
+                fixed_width=fixed_width, drafter=drafter, tok=tok)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
 
 
-def _report(args, *, text, ids, out, index, mode, drafter, tok) -> None:
+def _report(args, *, text, ids, out, index, mode, fixed_width, drafter, tok) -> None:
   """Prints one prompt's answer (and its statistics) from a `GenerationOutput` row."""
   new = out.tokens[index]
   answer = tok.decode(new, skip_special_tokens=True)
@@ -167,12 +201,14 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok) -> None:
                schedule=out.schedule, tree_budget=args.tree_budget or None,
                drafted=row.drafted,
                verified=row.verified, plain_rounds=row.plain_rounds,
-               dtype=args.dtype, mesh=args.mesh)
+               dtype=args.dtype, weights=args.weights, fixed_width=fixed_width or None,
+               mesh=args.mesh)
     print(json.dumps(rec), flush=True)
   else:
     print(answer)
     tps = row.new_tokens / out.seconds if out.seconds else math.nan
-    print(f"[{mode}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
+    shape = f"{mode}, {args.weights} weights" + (f", width {fixed_width}" if fixed_width else "")
+    print(f"[{shape}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
           f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
           + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
              f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else ""),
