@@ -26,21 +26,27 @@ DEFAULT_FIXED_WIDTH = 5
 DEFAULT_MAX_STAGES = 3
 
 
-def _decoding_shape(args, *, mode: str) -> tuple[int, int | None, int]:
+def _decoding_shape(args, *, mode: str,
+                    drafter_block_size: int | None) -> tuple[int, int | None, int]:
   """(fixed width, block size, max stages) from the flags and their defaults.
 
   Unset, the fixed width is DEFAULT_FIXED_WIDTH for bf16 weights and chains
   (0 with an explicit --schedule cost, which verifies prefixes of the drafts);
-  dloop then drafts 2 stages of 2 (sd: the drafter's gamma, 4 for the shipped
-  drafters) unless --block-size / --max-stages say otherwise.
+  dloop then drafts the loop that width verifies whole
+  (`arguments.loop_shape_for_width`: 2 stages of 2 at W = 5) unless
+  --block-size / --max-stages say otherwise (sd: the drafter's gamma).
   """
+  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
+
   width = args.fixed_width
+  max_stages = DEFAULT_MAX_STAGES if args.max_stages is None else args.max_stages
   if width is None:
     chains = not args.tree_budget and args.schedule != "cost"
     width = DEFAULT_FIXED_WIDTH if args.weights == "bf16" and chains else 0
     if width and mode == "dloop" and args.block_size is None and args.max_stages is None:
-      return width, 2, 2
-  max_stages = DEFAULT_MAX_STAGES if args.max_stages is None else args.max_stages
+      gamma, stages = arguments.loop_shape_for_width(
+          width, drafter_block_size=drafter_block_size, max_stages=DEFAULT_MAX_STAGES)
+      return width, gamma, stages
   return width, args.block_size, max_stages
 
 
@@ -146,7 +152,8 @@ def main(argv=None) -> int:
       if name:
         drafter = drafter_io.load_drafter(name, target=target.model)
     mode = args.mode or ("dloop" if drafter is not None else "ar")
-    fixed_width, block_size, max_stages = _decoding_shape(args, mode=mode)
+    fixed_width, block_size, max_stages = _decoding_shape(
+        args, mode=mode, drafter_block_size=getattr(drafter, "block_size", None))
     if mode != "ar" and drafter is None:
       raise DLoopError(
           f"mode {mode!r} needs a drafter, and no drafter is available for target"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dloop_jax.decoding import arguments
+from dloop_jax.errors import ConfigError
 from infer.__main__ import DEFAULT_FIXED_WIDTH, _decoding_shape, _parse
 
 
@@ -23,7 +25,23 @@ from infer.__main__ import DEFAULT_FIXED_WIDTH, _decoding_shape, _parse
     (["--fixed-width", "9", "--block-size", "4", "--max-stages", "2"], "dloop", (9, 4, 2)),
 ])
 def test_decoding_shape(argv, mode, want):
-  assert _decoding_shape(_parse(argv), mode=mode) == want
+  assert _decoding_shape(_parse(argv), mode=mode, drafter_block_size=4) == want
+
+
+@pytest.mark.parametrize("width,gamma,max_stages,want", [
+    (5, 4, 3, (2, 2)), (9, 4, 3, (4, 2)), (13, 4, 3, (4, 3)), (13, 4, 2, (4, 2)),
+    (3, 4, 3, (1, 2)), (7, 2, 3, (2, 3)), (17, 8, 3, (8, 2)),
+])
+def test_loop_shape_for_width(width, gamma, max_stages, want):
+  got = arguments.loop_shape_for_width(width, drafter_block_size=gamma, max_stages=max_stages)
+  assert got == want
+  assert arguments.full_verification_width(mode="dloop", block_size=got[0],
+                                           max_stages=got[1]) <= width
+
+
+def test_loop_shape_for_a_width_too_narrow():
+  with pytest.raises(ConfigError, match="no room for two drafting stages"):
+    arguments.loop_shape_for_width(2, drafter_block_size=4, max_stages=3)
 
 
 def test_default_weights_are_bf16():

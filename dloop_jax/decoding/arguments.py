@@ -68,6 +68,20 @@ def full_verification_width(*, mode: str, block_size: int, max_stages: int) -> i
   return 1 + (1 if mode == "sd" else max_stages) * block_size
 
 
+def loop_shape_for_width(width: int, *, drafter_block_size: int,
+                         max_stages: int) -> tuple[int, int]:
+  """(gamma, stages) of the DLoop a fixed `width` verifies whole: gamma at most the
+  drafter's and at most (W - 1) / 2, so that at least two stages fit; then as many stages
+  as fit, up to `max_stages` (W = 5, a drafter of 4: 2 stages of 2; W = 9: 2 of 4; W = 13,
+  S_max = 3: 3 of 4).
+  """
+  gamma = min(drafter_block_size, (width - 1) // 2)
+  if gamma < 1:
+    raise ConfigError(f"fixed_width={width} leaves no room for two drafting stages (dloop needs"
+                      " at least 1 + 2 x 1 = 3 tokens); pass a wider width.")
+  return gamma, max(1, min(max_stages, (width - 1) // gamma))
+
+
 def validate_fixed_width(*, fixed_width, mode, block_size, max_stages, schedule,
                          tree_budget) -> None:
   """`generate(fixed_width=...)`: every target forward at one width."""

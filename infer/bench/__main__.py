@@ -226,16 +226,23 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
     methods.append(methods_lib.Ours(method="ar", fixed_width=width, **common))
   for label, d in (drafters if fixed_widths else ()):
     for mode in modes:
-      need = arguments.full_verification_width(
-          mode=mode, block_size=args.block_size or d.block_size, max_stages=args.max_stages)
-      width = next((w for w in fixed_widths if w >= need), None)
-      if width is None:
-        _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
-             f" {fixed_widths}; skipped")
-        continue
+      gamma, stages = args.block_size, args.max_stages
+      if mode == "dloop" and args.block_size is None:
+        # The loop each width verifies whole (python -m infer's default at W = 5: 2 x 2).
+        width = fixed_widths[0]
+        gamma, stages = arguments.loop_shape_for_width(
+            width, drafter_block_size=d.block_size, max_stages=args.max_stages)
+      else:
+        need = arguments.full_verification_width(
+            mode=mode, block_size=gamma or d.block_size, max_stages=stages)
+        width = next((w for w in fixed_widths if w >= need), None)
+        if width is None:
+          _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
+               f" {fixed_widths}; skipped")
+          continue
       methods.append(methods_lib.Ours(
-          method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
-          gate=args.gate, max_stages=args.max_stages, schedule="off",
+          method=mode, drafter=d, drafter_label=label, block_size=gamma,
+          gate=args.gate, max_stages=stages, schedule="off",
           draft_backoff=args.draft_backoff, fixed_width=width, **common))
   return methods
 
