@@ -172,3 +172,17 @@ def test_bad_weights_fail_before_the_target_loads(weights):
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert "--weights takes f32 and / or bf16" in proc.stderr
+
+
+def test_fixed_width_methods_fit_the_width():
+  """--fixed-widths 5: sd verifies the drafter's 4 drafts, dloop the 2 x 2 loop that fits."""
+  import types  # pylint: disable=g-import-not-at-top
+  from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
+
+  args = bench_main._parse(["--fixed-widths", "5"])
+  drafter = types.SimpleNamespace(block_size=4, supports_trees=False, name="block")
+  got = bench_main._our_methods(args, target=None, drafters=[("block", drafter)], weights="",
+                                modes=["sd", "dloop"], schedules=["off"], tree_schedules=[],
+                                fixed_widths=[5], common={})
+  shapes = {(m.method_name, m.block_size, m.max_stages) for m in got if m.fixed_width}
+  assert shapes == {("ar/w5", None, 3), ("sd/all/w5", None, 3), ("dloop/all/w5", 2, 2)}
