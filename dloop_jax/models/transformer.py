@@ -112,8 +112,9 @@ MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate
 # `_product`): on XLA:CPU (AVX-512 / AMX Xeon, SmolLM2's 30 layers, bf16
 # weights) that streams them at memory speed for 1 to 256 rows, 8.3-9.7 ms for
 # 1-13 rows against 18-22 ms stored [K, N] (f32 [K, N]: 16 ms for one row,
-# 44 ms for 13), and gives a row the same bits whatever the number of rows
-# beside it, so a 1-token step and a wide verification agree exactly.
+# 44 ms for 13), and gives a row of the product the same bits whatever the
+# number of rows beside it (the attention's f32 products do not: a fixed
+# forward width, `generate(fixed_width=)`, is what makes widths agree exactly).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
