@@ -116,6 +116,7 @@ MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate
 # number of rows beside it (the attention's f32 products do not: a fixed
 # forward width, `generate(fixed_width=)`, is what makes widths agree exactly).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+_STACKED_LAYER_MATRICES = tuple(f"layers.{name}" for name in LAYER_MATRICES)
 
 
 def random_layer_weights(config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -299,16 +300,14 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
   rows = int(np.prod(lead)) if lead else 1
   flat = x.reshape(rows, x.shape[-1])
   half = _is_half(w.dtype)
+  if rows == 1 and half:
+    flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
   if contract == 1 and (1 < rows <= WEIGHTS_LEFT_MAX_ROWS
                         or half and rows <= HALF_WEIGHTS_LEFT_MAX_ROWS):
     # w [N, K] @ flat.T: see WEIGHTS_LEFT_MAX_ROWS and LAYER_MATRICES.
-    if rows == 1:
-      flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
     out = jnp.transpose(jax.lax.optimization_barrier(
         f32_dot_general(w, flat, (((1,), (1,)), ((), ())))))[:rows]
   else:
-    if rows == 1 and half:
-      flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
     out = f32_dot_general(flat, w, (((1,), (contract,)), ((), ())))[:rows]
   return out.reshape(lead + (out.shape[-1],)), out_dtype
 
@@ -606,8 +605,8 @@ class Transformer(nnx.Module):
       if lay is None:
         return jnp.asarray(value)
       spec = sharding_lib.param_spec(name, config, lay)
-      if out_major and name.split(".", 1)[-1] in LAYER_MATRICES and name.startswith("layers."):
-        spec = jax.sharding.PartitionSpec(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
+      if out_major and name in _STACKED_LAYER_MATRICES:
+        spec = jax.sharding.PartitionSpec(*reversed(spec))  # the same dimension split
       return sharding_lib.place(np.asarray(value), spec, lay.mesh)
 
     model.embed = nnx.Param(put("embed", model._stored("embed", np.asarray(params["embed"]))))

@@ -228,7 +228,8 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
     for mode in modes:
       gamma, stages = args.block_size, args.max_stages
       if mode == "dloop" and args.block_size is None:
-        # The loop each width verifies whole (python -m infer's default at W = 5: 2 x 2).
+        # The loop the narrowest fixed width verifies whole (python -m infer's default
+        # at W = 5: 2 x 2).
         width = fixed_widths[0]
         gamma, stages = arguments.loop_shape_for_width(
             width, drafter_block_size=d.block_size, max_stages=args.max_stages)
