@@ -195,10 +195,11 @@ def test_measure_dartree_against_the_chain(learnable, drafters):
       "DARTree sd B=3": (4, dict(mode="sd", tree_budget=3)),
       "chain dloop g=-inf S=2 (6 drafts)": (7, dict(mode="dloop", gate=-math.inf, max_stages=2)),
       "DARTree sd B=6": (7, dict(mode="sd", tree_budget=6)),
-      "DARTree dloop g=-inf S=2 B=3": (7, dict(mode="dloop", gate=-math.inf, max_stages=2,
-                                                 tree_budget=3)),
       "chain dloop g=-inf S=3 (9 drafts)": (10, dict(mode="dloop", gate=-math.inf, max_stages=3)),
       "DARTree sd B=9": (10, dict(mode="sd", tree_budget=9)),
+      # 3 + 3 nodes and stage 1's best path of 3.
+      "DARTree dloop g=-inf S=2 B=3": (10, dict(mode="dloop", gate=-math.inf, max_stages=2,
+                                                  tree_budget=3)),
   }
   for name, (width, kw) in runs.items():
     out = generate(target, prompts, max_new_tokens=40, drafter=drafter, block_size=GAMMA,

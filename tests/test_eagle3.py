@@ -186,26 +186,28 @@ def test_dynamic_tree_scores_paths_like_the_chain(tiny, examples, drafters):
                                    keep_best_path=jnp.ones((2,), bool))
 
   after, ts, (tree, best_end) = stage(drafter, state)
+  nodes = tree.num_nodes  # the best path keeps gamma slots beside the budget
+  assert nodes == budget + gamma
   tokens, parents, depths = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.depths))
   assert np.asarray(tree.valid).all()
-  paths = np.zeros((2, budget, gamma), np.int32) + int(drafter.d2t[...][0])
+  paths = np.zeros((2, nodes, gamma), np.int32) + int(drafter.d2t[...][0])
   for r in range(2):
-    for i in range(budget):
+    for i in range(nodes):
       assert parents[r, i] < i  # parents first: prefix-closed
-      siblings = tokens[r][(parents[r] == parents[r, i]) & (np.arange(budget) != i)]
+      siblings = tokens[r][(parents[r] == parents[r, i]) & (np.arange(nodes) != i)]
       assert tokens[r, i] not in siblings
       node, d = i, depths[r, i]
       while node != tree_lib.NO_PARENT:
         paths[r, i, depths[r, node] - 1] = tokens[r, node]
         node = parents[r, node]
       assert d == 1 + (0 if parents[r, i] < 0 else depths[r, parents[r, i]])
-  tiled = jax.tree.map(lambda x: jnp.repeat(x, budget, axis=0) if x.ndim else x, state)
+  tiled = jax.tree.map(lambda x: jnp.repeat(x, nodes, axis=0) if x.ndim else x, state)
   chain = nnx.jit(_chain_scores)
-  want, chained = chain(drafter, tiled, jnp.asarray(paths.reshape(2 * budget, gamma)))
-  want = np.take_along_axis(np.asarray(want), depths.reshape(-1, 1) - 1, axis=1).reshape(2, budget)
+  want, chained = chain(drafter, tiled, jnp.asarray(paths.reshape(2 * nodes, gamma)))
+  want = np.take_along_axis(np.asarray(want), depths.reshape(-1, 1) - 1, axis=1).reshape(2, nodes)
   np.testing.assert_allclose(np.asarray(tree.scores), want, atol=1e-4)
   # The best path is in the tree; the state after the stage equals the chain's along it.
-  at = np.arange(2) * budget + np.asarray(best_end)
+  at = np.arange(2) * nodes + np.asarray(best_end)
   np.testing.assert_allclose(np.asarray(ts.candidates.best_score), want.reshape(-1)[at],
                              atol=1e-4)
   assert (depths[np.arange(2), np.asarray(best_end)] == gamma).all()

@@ -58,7 +58,7 @@ def _check_lossless(tiny, prompts, ar, out):
 
 
 @pytest.mark.parametrize("mode,budget,batch", [
-    ("sd", 4, 3), ("sd", 8, 1), ("dloop", 4, 1), ("dloop", 8, 3)])
+    ("sd", 4, 3), ("sd", 8, 1), ("dloop", 2, 1), ("dloop", 8, 3)])
 def test_greedy_lossless(tiny, drafters, mode, budget, batch):
   rng = np.random.default_rng(budget * 10 + batch)
   gates = (-math.inf, -0.5, math.inf) if mode == "dloop" else (0.0,)
@@ -77,8 +77,11 @@ def test_greedy_lossless(tiny, drafters, mode, budget, batch):
         t = out.total
         assert out.schedule == ("cost" if scheduled else "off")
         assert t.verified == t.drafted
-        # Every round drafts (no back-off by default) B nodes per stage.
-        assert t.drafted == sum(c * s * budget for s, c in enumerate(t.stage_histogram))
+        # Every round drafts (no back-off by default) B nodes per stage, and a
+        # stage that continues keeps its best path in GAMMA more.
+        path = GAMMA if mode == "dloop" else 0
+        assert t.drafted == sum(c * (s * budget + max(s - 1, 0) * path)
+                                for s, c in enumerate(t.stage_histogram))
         if mode == "dloop" and g == math.inf or mode == "sd":
           assert t.stage_histogram[2:] == [0] * (len(t.stage_histogram) - 2)
         if name == "oracle":
@@ -193,11 +196,12 @@ def test_sampling_first_three_tokens_match_target(tiny):
   exact = _exact_distribution(tiny, PROMPT, SAMPLING)
   np.testing.assert_allclose(sum(exact.values()), 1.0, rtol=1e-5)
   drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=5)
-  # schedule="cost" verifies the best b nodes (b + 1 in 1, 2, 3, 5, 9), chosen from the
-  # drafter's scores alone: a smaller tree, still walked on the target's samples.
+  # schedule="cost" verifies the best b nodes (b + 1 in 1, 2, 3, 5, 11: two stages of 4 and
+  # the first one's best path of 2), chosen from the drafter's scores alone: a smaller tree,
+  # still walked on the target's samples.
   out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode="dloop", drafter=drafter,
                  block_size=2, max_stages=2, gate=-math.inf, tree_budget=4, sampling=SAMPLING,
-                 seed=11, schedule="cost", costs={1: 1.0, 3: 1.1, 5: 1.5, 9: 4.0},
+                 seed=11, schedule="cost", costs={1: 1.0, 3: 1.1, 5: 1.5, 11: 4.0},
                  draft_backoff=0)
   samples = [tuple(t) for t in out.tokens]
   pvalue, stat = chi_square_pvalue(samples, exact)
@@ -217,7 +221,6 @@ def test_sampling_first_three_tokens_match_target(tiny):
     (dict(tree_budget=2.0), "tree_budget must be an int >= 0"),
     (dict(tree_budget=True), "tree_budget must be an int >= 0"),
     (dict(tree_budget=4, mode="ar", drafter=None), "needs mode 'sd' or 'dloop'"),
-    (dict(tree_budget=2, mode="dloop", block_size=3), "at least block_size"),
 ])
 def test_bad_tree_arguments(tiny, drafters, kwargs, match):
   args = dict(max_new_tokens=4, mode="sd", drafter=drafters["oracle"], block_size=3)

@@ -13,7 +13,8 @@ from dloop_jax.models.config import tiny_config
 from infer.profile import __main__ as profile
 from infer.profile import modeled, presets
 
-# gamma 2, S_max 2: the generation verifies width 5; trees of budget 2 add widths 3 and 5.
+# gamma 2, S_max 2: the generation verifies width 5; trees of budget 2 add widths 3 (one stage)
+# and 7 (two: 2 + 2 nodes and the first stage's best path of 2).
 ARGS = ["--preset", "tiny", "--block-size", "2", "--max-stages", "2", "--widths", "1,2",
         "--tree-budgets", "2", "--drafters", "block", "--max-new-tokens", "5", "--repeats", "1",
         "--tau", "paper,2.5"]
@@ -25,7 +26,7 @@ def test_tiny_profile_writes_tables_the_scheduler_reads(tmp_path, capsys):
   assert "rounds/s" in log and "costs.json" in log
 
   table = costs_lib.load(tmp_path / "costs.json")
-  assert table.widths == (1, 2, 3, 5)
+  assert table.widths == (1, 2, 3, 5, 7)
   assert table.key["target"] == "tiny (random weights)" and table.key["batch_size"] == 1
   # What generate(costs=FILE) does with it at the compiled widths of gamma 2, S_max 2.
   assert costs_lib.resolve(str(tmp_path / "costs.json"), target=None, batch_size=1,
@@ -33,7 +34,7 @@ def test_tiny_profile_writes_tables_the_scheduler_reads(tmp_path, capsys):
 
   result = json.loads((tmp_path / "profile.json").read_text())
   assert result["target"]["shape"]["qk_norm"] and result["target"]["shape"]["family"] == "qwen3"
-  assert result["tree_widths"] == [3, 5]
+  assert result["tree_widths"] == [3, 7]
   block = result["drafters"]["block"]
   assert block["stage_ms"] > 0 and block["commit_ms"] > 0 and block["params"] > 0
   gen = result["generation"]

@@ -95,9 +95,9 @@ def test_padding_when_fewer_prefixes_than_budget():
   assert (tree.parents[0, 6:] == tree_lib.NO_PARENT).all() and (tree.depths[0, 6:] == 0).all()
 
 
-@pytest.mark.parametrize("budget", [3, 4, 7])
+@pytest.mark.parametrize("budget", [1, 3, 4, 7])
 def test_keep_best_path(budget):
-  """The forced best path is in the tree; the rest are the best others; prefix-closed."""
+  """The forced best path is in the tree beside the B best others; prefix-closed."""
   gamma, vocab = 3, 5
   rng = np.random.default_rng(budget)
   # Flat distributions: the full-depth best path is outscored by shallow nodes.
@@ -109,13 +109,17 @@ def test_keep_best_path(budget):
   for row in range(4):
     prefixes = _prefixes(tree, row)
     best = tuple(int(t) for t in lp[row].argmax(-1))
+    assert tree.num_nodes == budget + gamma  # the path's own slots
     if keep[row]:
+      # The path beside the B best others: a superset of the top B.
       path = {best[:d] for d in range(1, gamma + 1)}
       assert path <= set(prefixes.values())
       assert prefixes[int(best_end[row])] == best
-      others = [u for _, u in _brute_force(lp[row], 10 ** 3) if u not in path][:budget - gamma]
+      others = [u for _, u in _brute_force(lp[row], 10 ** 3) if u not in path][:budget]
       assert sorted(prefixes.values()) == sorted(path | set(others))
+      assert {u for _, u in _brute_force(lp[row], budget)} <= set(prefixes.values())
     else:
+      assert not tree.valid[row, budget:].any()
       assert int(best_end[row]) == tree_lib.NO_PARENT  # flat: deep path loses to shallow ones
       assert sorted(prefixes.values()) == sorted(u for _, u in _brute_force(lp[row], budget))
     for i, u in prefixes.items():

@@ -60,7 +60,7 @@ def validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, tar
     raise ConfigError(f"confidence='drafter' needs a drafter with a learned confidence (DSpark's"
                       f" confidence head); drafter {drafter.name!r} has none: use"
                       " confidence='probability' (or 'auto').")
-  validate_tree(mode=mode, drafter=drafter, block_size=block_size, tree_budget=tree_budget)
+  validate_tree(drafter=drafter, tree_budget=tree_budget)
 
 
 def full_verification_width(*, mode: str, block_size: int, max_stages: int) -> int:
@@ -105,7 +105,7 @@ def validate_fixed_width(*, fixed_width, mode, block_size, max_stages, schedule,
                       " pass at least that.")
 
 
-def validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
+def validate_tree(*, drafter, tree_budget) -> None:
   """The tree-specific part of `validate`."""
   if tree_budget == 0:
     return
@@ -113,7 +113,3 @@ def validate_tree(*, mode, drafter, block_size, tree_budget) -> None:
     raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
                       f" {drafter.name!r} ({drafter.kind}) does not yet (use the block,"
                       " EAGLE-3 or Domino drafter, or tree_budget=0).")
-  if mode == "dloop" and tree_budget < block_size:
-    raise ConfigError(f"mode 'dloop' with a tree drafts each stage from the end of the previous"
-                      f" stage's best path of {block_size} nodes, so tree_budget must be at least"
-                      f" block_size ({block_size}); got {tree_budget}.")

@@ -116,14 +116,18 @@ class _Static:
       return (1,)
     if self.fixed_width:
       return (self.fixed_width,)
-    # A tree's stage holds tree_budget nodes where a chain's holds gamma drafts.
-    widths = schedule_lib.verify_widths(block_size=self.tree_budget or self.block_size,
-                                        max_stages=self.max_stages, schedule=self.schedule)
-    if self.tree_budget and self.schedule == "cost":
-      # Half a stage's tree too: the best half of the nodes holds most of the
-      # expected accepted length.
-      widths = tuple(sorted(set(widths) | {1 + self.tree_budget // 2}))
-    return widths
+    if not self.tree_budget:
+      return schedule_lib.verify_widths(block_size=self.block_size, max_stages=self.max_stages,
+                                        schedule=self.schedule)
+    nodes = tree_round.max_nodes(budget=self.tree_budget, block_size=self.block_size,
+                                 max_stages=self.max_stages, dloop=self.mode == "dloop")
+    widths = {1 + n for n in nodes}
+    if self.schedule == "cost":
+      # The small widths, and half a stage's tree: the best half of the nodes
+      # holds most of the expected accepted length.
+      widths |= {w for w in schedule_lib.SMALL_WIDTHS if w <= max(widths)}
+      widths |= {1 + self.tree_budget // 2}
+    return tuple(sorted(widths))
 
 
 @struct.dataclass

@@ -142,17 +142,22 @@ def select(cands: Candidates, *, budget: int,
       is padding.
     keep_best_path: optional [R] bool: rows whose best path (`cands.best`)
       must be in the tree, whatever it scores (a DLoop stage continues from
-      its end); then B >= D is needed. The path is prefix-closed and every
-      other node's parent is either on it or outscores the node, so the tree
-      stays prefix-closed.
+      its end). The tree then has B + D node slots: in those rows the D
+      nodes of the path and the B best other prefixes (a superset of the
+      top B: the path never displaces a better node), in the other rows the
+      top B and D slots of padding. The path is prefix-closed and every other
+      node's parent is either on it or outscores the node, so the tree stays
+      prefix-closed.
 
   Returns:
-    The tree (N = B, parents-first) and best_end [R]: the node index of the
-    best path's depth-D node, or NO_PARENT where it is not in the tree.
+    The tree (N = B, or B + D with `keep_best_path`; parents-first) and
+    best_end [R]: the node index of the best path's depth-D node, or
+    NO_PARENT where it is not in the tree.
   """
   r, depth, w = cands.scores.shape
   n_cand = depth * w
-  m = min(budget, n_cand)
+  slots = budget if keep_best_path is None else budget + depth
+  m = min(slots, n_cand)
   neg_inf = jnp.float32(-jnp.inf)
   # Candidates numbered depth-major (index = (d - 1) * W + slot): a parent
   # always has a smaller index than its children, so ties keep prefixes closed.
@@ -163,18 +168,23 @@ def select(cands: Candidates, *, budget: int,
   _, chosen = jax.lax.top_k(key, m)
   # Sorted, parents come first; padding goes last.
   padding = jnp.take_along_axis(all_scores, chosen, axis=1) == neg_inf
-  chosen = jnp.sort(chosen + jnp.where(padding, n_cand, 0), axis=1) % n_cand
+  if keep_best_path is not None:
+    # Rows that do not keep the path take the top B only (top_k ranks best first).
+    padding |= (jnp.arange(m)[None, :] >= budget) & ~keep_best_path[:, None]
+  chosen = jnp.sort(chosen + jnp.where(padding, n_cand, 0), axis=1)
+  padding = chosen >= n_cand
+  chosen = chosen % n_cand
   rows = jnp.arange(r)[:, None]
   # Candidate index -> node index (or NO_PARENT where not chosen).
   node_of = jnp.full((r, n_cand), NO_PARENT, jnp.int32).at[rows, chosen].set(
-      jnp.arange(m, dtype=jnp.int32)[None, :])
+      jnp.where(padding, NO_PARENT, jnp.arange(m, dtype=jnp.int32)[None, :]))
 
   depth0 = chosen // w  # depth - 1
   beam_parent = jnp.take_along_axis(cands.parents.reshape(r, n_cand), chosen, axis=1)
   parent_cand = (depth0 - 1) * w + beam_parent
   node_parent = jnp.where(depth0 == 0, NO_PARENT,
                           jnp.take_along_axis(node_of, jnp.maximum(parent_cand, 0), axis=1))
-  node_score = jnp.take_along_axis(all_scores, chosen, axis=1)
+  node_score = jnp.where(padding, neg_inf, jnp.take_along_axis(all_scores, chosen, axis=1))
   valid = node_score > neg_inf
   tree = Tree(
       tokens=jnp.where(valid, jnp.take_along_axis(cands.tokens.reshape(r, n_cand), chosen,
@@ -183,8 +193,8 @@ def select(cands: Candidates, *, budget: int,
       depths=jnp.where(valid, depth0 + 1, 0).astype(jnp.int32),
       scores=node_score,
       valid=valid)
-  if m < budget:
-    pad = budget - m
+  if m < slots:
+    pad = slots - m
     tree = Tree(tokens=jnp.pad(tree.tokens, ((0, 0), (0, pad))),
                 parents=jnp.pad(tree.parents, ((0, 0), (0, pad)), constant_values=NO_PARENT),
                 depths=jnp.pad(tree.depths, ((0, 0), (0, pad))),
@@ -205,12 +215,15 @@ def build(logprobs: jax.Array, *, budget: int,
       are column indices of it).
     budget: B, nodes per row (static).
     keep_best_path: optional [R] bool (`select`): rows whose best full-depth
-      path, the argmax token at every position, must be in the tree.
+      path, the argmax token at every position, must be in the tree (then
+      B + gamma node slots).
 
   Returns:
-    The tree (N = B, parents-first) and best_end [R] (`select`).
+    The tree (parents-first) and best_end [R] (`select`).
   """
-  return select(beam(logprobs, width=budget), budget=budget, keep_best_path=keep_best_path)
+  # With the path kept, B + 1 prefixes per depth hold the B best others of a depth.
+  width = budget + (keep_best_path is not None)
+  return select(beam(logprobs, width=width), budget=budget, keep_best_path=keep_best_path)
 
 
 def concatenate(trees: list[Tree]) -> Tree:

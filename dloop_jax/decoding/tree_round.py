@@ -11,10 +11,14 @@ Per round, for every row (rows are independent):
             probability) and hands over its scored prefixes.
             dloop: while the best path's stage confidence passes the gate
             (and fewer than S_max stages), stage s+1 is drafted from the end
-            of stage s's best path (the best-scoring prefix of full depth; it
-            is kept in stage s's tree) and its top-B tree hangs from that node.
-    verify  ONE target forward over [x_n, nodes...] of width 1 + s * B
-            (a `lax.switch` over s = 1..S_max, the most stages any row drafted),
+            of stage s's best path (the best-scoring prefix of full depth) and
+            its top-B tree hangs from that node. A stage that continues keeps
+            its best path in gamma node slots of its own beside its top B
+            (`tree.select`): the path never displaces a better node, so the
+            tree of a DLoop round holds the tree of an `sd` round.
+    verify  ONE target forward over [x_n, nodes...] of width
+            1 + s * B + (s - 1) * gamma (`max_nodes`; a `lax.switch` over
+            s = 1..S_max, the most stages any row drafted),
             positions n + depth, ancestor-only attention among the nodes, the
             committed cache fully visible.
     accept  the walk (`tree.walk`): from the root follow the child carrying
@@ -56,13 +60,27 @@ class Drafted:
   """The drafted tree of every row.
 
   Attributes:
-    tree: [B, S_max * budget] nodes of every stage, ordered by path score
+    tree: [B, N] nodes of every stage (N = `max_nodes(...)[-1]`), ordered by path score
       (`tree.by_score`: any first b nodes form a tree), padding last.
     num_stages: [B] stages drafted.
   """
 
   tree: tree_lib.Tree
   num_stages: jax.Array
+
+
+def stage_slots(*, budget: int, block_size: int, max_stages: int, dloop: bool) -> int:
+  """Node slots of one stage: B, and gamma more for the best path where a stage may continue."""
+  return budget + block_size if dloop and max_stages > 1 else budget
+
+
+def max_nodes(*, budget: int, block_size: int, max_stages: int, dloop: bool) -> tuple[int, ...]:
+  """The most nodes a round holds after s = 1..S_max stages: s * B + (s - 1) * gamma.
+
+  Each stage but the last continued, so it kept its best path beside its top B.
+  """
+  path = block_size if dloop else 0
+  return tuple(s * budget + (s - 1) * path for s in range(1, max_stages + 1))
 
 
 def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, block_size: int,
@@ -79,7 +97,8 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
     budget: B, nodes per stage.
   """
   b = going.shape[0]
-  n = max_stages * budget
+  slots = stage_slots(budget=budget, block_size=block_size, max_stages=max_stages, dloop=dloop)
+  n = max_stages * slots
   empty = tree_lib.Tree(
       tokens=jnp.zeros((b, n), jnp.int32), parents=jnp.full((b, n), tree_lib.NO_PARENT, jnp.int32),
       depths=jnp.zeros((b, n), jnp.int32), scores=jnp.full((b, n), -jnp.inf, jnp.float32),
@@ -94,8 +113,10 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   def body(c):
     stage, dstate, tree, num_stages, going, end, end_depth, end_score = c
     dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size, budget=budget)
+    # One more prefix per depth where the path may be kept: the B best others
+    # of a depth are then always in its beam, whatever the path takes.
     cands = (ts.candidates if ts.candidates is not None
-             else tree_lib.beam(ts.logprobs, width=budget))
+             else tree_lib.beam(ts.logprobs, width=budget + (slots > budget)))
     if dloop:
       # The best path's log q: the chain's stage confidence for marginals
       # (sum of the per-position maxima).
@@ -103,10 +124,11 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
           cands.best_score, gate=gate, stages_done=stage + 1, max_stages=max_stages)
     else:
       more = jnp.zeros_like(going)
-    t, best_end = tree_lib.select(cands, budget=budget, keep_best_path=more)
+    t, best_end = tree_lib.select(cands, budget=budget,
+                                  keep_best_path=more if slots > budget else None)
     if ts.vocab is not None:
       t = t.replace(tokens=ts.vocab[t.tokens])
-    offset = stage * budget
+    offset = stage * slots
     t = tree_lib.attach(t, offset=offset, parent=end, depth=end_depth, active=going,
                         score=end_score)
     tree = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, offset, 1),
@@ -119,6 +141,9 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   _, state, tree, num_stages, _, _, _, _ = jax.lax.while_loop(
       cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros,
                    jnp.zeros((b,), jnp.float32)))
+  # The last stage never continues: its path slots are padding.
+  most = max_nodes(budget=budget, block_size=block_size, max_stages=max_stages, dloop=dloop)[-1]
+  tree = jax.tree.map(lambda x: x[:, :most], tree)
   return state, Drafted(tree=tree_lib.by_score(tree), num_stages=num_stages)
 
 

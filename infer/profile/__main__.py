@@ -89,6 +89,7 @@ def run(args, log) -> dict:
   """The profile; returns the written paths. Raises DLoopError on bad input."""
   import jax  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import tree_round  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import KINDS  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from infer.profile import measure, modeled, presets, report  # pylint: disable=g-import-not-at-top
@@ -112,7 +113,10 @@ def run(args, log) -> dict:
   chain = _ints(args.widths if args.widths is not None else defaults["widths"], "--widths")
   budgets = _ints(args.tree_budgets if args.tree_budgets is not None
                   else defaults["tree_budgets"], "--tree-budgets")
-  trees = sorted({1 + s * b for b in budgets for s in range(1, args.max_stages + 1)})
+  # One stage (sd) to S_max stages of DLoop, each continuing stage with its best path.
+  trees = sorted({1 + n for b in budgets
+                  for n in tree_round.max_nodes(budget=b, block_size=gamma,
+                                                max_stages=args.max_stages, dloop=True)})
   needed = 1 + args.max_stages * gamma  # the generation's verification width
   widths = sorted(set(chain) | set(trees) | {1, needed})
   capacity = min(costs_lib.CALIBRATION_CAPACITY, config.max_position_embeddings)
