@@ -121,13 +121,12 @@ class _Static:
                                         schedule=self.schedule)
     nodes = tree_round.max_nodes(budget=self.tree_budget, block_size=self.block_size,
                                  max_stages=self.max_stages, dloop=self.mode == "dloop")
-    widths = {1 + n for n in nodes}
+    widths = schedule_lib.widths_for_drafts(nodes, schedule=self.schedule)
     if self.schedule == "cost":
-      # The small widths, and half a stage's tree: the best half of the nodes
-      # holds most of the expected accepted length.
-      widths |= {w for w in schedule_lib.SMALL_WIDTHS if w <= max(widths)}
-      widths |= {1 + self.tree_budget // 2}
-    return tuple(sorted(widths))
+      # Half a stage's tree too: the best half of the nodes holds most of the
+      # expected accepted length.
+      widths = tuple(sorted(set(widths) | {1 + self.tree_budget // 2}))
+    return widths
 
 
 @struct.dataclass

@@ -50,6 +50,8 @@ the token before k.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -67,18 +69,24 @@ SMALL_WIDTHS = (1, 2, 3)
 
 
 def verify_widths(*, block_size: int, max_stages: int, schedule: str) -> tuple[int, ...]:
-  """The compiled verification widths (static), in increasing order.
+  """The compiled verification widths of chains (static), in increasing order.
 
   "off" verifies every draft: one width per stage count, 1 + s * gamma.
   "cost" adds `SMALL_WIDTHS` (1 is the plain decode step); a prefix between
   two widths is verified in the wider branch. For gamma = 4, S_max = 3:
   off (5, 9, 13), cost (1, 2, 3, 5, 9, 13).
   """
-  stage_widths = {1 + s * block_size for s in range(1, max_stages + 1)}
-  if schedule == "off":
-    return tuple(sorted(stage_widths))
-  widest = 1 + max_stages * block_size
-  return tuple(sorted(stage_widths | {w for w in SMALL_WIDTHS if w <= widest}))
+  return widths_for_drafts([s * block_size for s in range(1, max_stages + 1)],
+                           schedule=schedule)
+
+
+def widths_for_drafts(stage_drafts: Sequence[int], *, schedule: str) -> tuple[int, ...]:
+  """Widths 1 + n for the most drafts n after each stage count (chains or trees),
+  with `SMALL_WIDTHS` up to the widest for "cost"; increasing."""
+  widths = {1 + n for n in stage_drafts}
+  if schedule != "off":
+    widths |= {w for w in SMALL_WIDTHS if w <= max(widths)}
+  return tuple(sorted(widths))
 
 
 def draft_confidence(*, logprobs: jax.Array, probs: jax.Array | None,

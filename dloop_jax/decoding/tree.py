@@ -132,6 +132,13 @@ def beam(logprobs: jax.Array, *, width: int) -> Candidates:
                     best=jnp.stack(bests, axis=1))
 
 
+def beam_width(budget: int, *, keeps_path: bool) -> int:
+  """Prefixes per depth a beam needs for `select(budget=B)`: B, and one more where
+  the best path may be kept, so that the B best others of a depth are in it
+  whatever the path takes."""
+  return budget + 1 if keeps_path else budget
+
+
 def select(cands: Candidates, *, budget: int,
            keep_best_path: jax.Array | None = None) -> tuple[Tree, jax.Array]:
   """The `budget` best prefixes of a beam, as a prefix-closed tree.
@@ -221,8 +228,7 @@ def build(logprobs: jax.Array, *, budget: int,
   Returns:
     The tree (parents-first) and best_end [R] (`select`).
   """
-  # With the path kept, B + 1 prefixes per depth hold the B best others of a depth.
-  width = budget + (keep_best_path is not None)
+  width = beam_width(budget, keeps_path=keep_best_path is not None)
   return select(beam(logprobs, width=width), budget=budget, keep_best_path=keep_best_path)
 
 

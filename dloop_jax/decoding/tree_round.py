@@ -113,10 +113,9 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   def body(c):
     stage, dstate, tree, num_stages, going, end, end_depth, end_score = c
     dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size, budget=budget)
-    # One more prefix per depth where the path may be kept: the B best others
-    # of a depth are then always in its beam, whatever the path takes.
     cands = (ts.candidates if ts.candidates is not None
-             else tree_lib.beam(ts.logprobs, width=budget + (slots > budget)))
+             else tree_lib.beam(ts.logprobs,
+                                width=tree_lib.beam_width(budget, keeps_path=slots > budget)))
     if dloop:
       # The best path's log q: the chain's stage confidence for marginals
       # (sum of the per-position maxima).
