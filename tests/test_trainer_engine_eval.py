@@ -52,7 +52,7 @@ def test_engine_tau_is_logged_at_every_evaluation(run):
   for r in evals.values():
     # A round commits at least the target's token, at most every draft + 1.
     assert 1.0 <= r["engine_tau_sd"] <= 3.0 and 1.0 <= r["engine_tau_dloop"] <= 7.0, r
-    assert r["engine_eval_s"] > 0
+    assert r["engine_eval_s"] > 0 and 0.0 <= r["engine_multi_stage_dloop"] <= 1.0
   assert first.metrics["engine_tau_sd"] == evals[4]["engine_tau_sd"]
   assert second.metrics["engine_tau_dloop"] == evals[8]["engine_tau_dloop"]
 
@@ -69,6 +69,19 @@ def test_best_step_is_exported_and_survives_a_resume(run):
   assert info["metrics"]["engine_tau_sd"] == tau[best]
   target = trainer_lib.default_build_target(_config().target).model
   assert drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+
+
+def test_multi_stage_share_follows_the_gate(run):
+  workdir, *_ = run
+  target = trainer_lib.default_build_target(_config().target).model
+  drafter = drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+  prompts = ((5, 9, 11, 3), (7, 2, 30, 8, 1))
+  share = {gate: engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, modes=("dloop",),
+                                        gate=gate)(target, drafter)["engine_multi_stage_dloop"]
+           for gate in (float("inf"), float("-inf"))}
+  # g = +inf: no round goes past its first stage; g = -inf: every round goes on while tokens
+  # are left (the last rounds of a row may have room for one stage only).
+  assert share[float("inf")] == 0.0 and share[float("-inf")] >= 0.5, share
 
 
 class _Tokenizer:

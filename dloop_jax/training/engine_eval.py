@@ -44,7 +44,13 @@ class EngineEval:
   gate: float = -0.5
 
   def __call__(self, target: Any, drafter: Any) -> dict[str, float]:
-    """{"engine_tau_<mode>": τ, "engine_eval_s": seconds} for `drafter` on `target`."""
+    """τ per mode, dloop's multi-stage share and the seconds, for `drafter` on `target`.
+
+    Returns:
+      {"engine_tau_<mode>": τ for each mode, "engine_multi_stage_dloop": the
+      share of dloop's rounds that drafted more than one stage (with dloop),
+      "engine_eval_s": seconds}.
+    """
     from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
     start = time.perf_counter()
     out: dict[str, float] = {}
@@ -52,7 +58,10 @@ class EngineEval:
       result = generate(target, [list(p) for p in self.prompts], max_new_tokens=self.max_new_tokens,
                         mode=mode, drafter=drafter, gate=self.gate, schedule="off",
                         stop_tokens=self.stop_tokens)
-      out[f"engine_tau_{mode}"] = float(result.total.acceptance_length)
+      total = result.total
+      out[f"engine_tau_{mode}"] = float(total.acceptance_length)
+      if mode == "dloop":
+        out["engine_multi_stage_dloop"] = sum(total.stage_histogram[2:]) / max(total.rounds, 1)
     out["engine_eval_s"] = time.perf_counter() - start
     return out
 
