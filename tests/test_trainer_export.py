@@ -58,6 +58,15 @@ def test_export_contents(run):
   assert {d["dtype"] for d in info["params"].values()} == {"bfloat16"}
   assert "embed" not in info["params"]  # frozen target weights are not stored
   assert info["metrics"]["loss"] > 0 and info["extra"]["step"] == 8
+  # Outside the working directory the workdir is recorded by its last two components only.
+  assert info["extra"]["workdir"] == "/".join(workdir.split(os.sep)[-2:])
+
+
+def test_recorded_paths_carry_no_machine_paths(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert trainer_lib.recorded_path(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")
+  assert trainer_lib.recorded_path("runs/a/") == os.path.join("runs", "a")
+  assert trainer_lib.recorded_path("/elsewhere/x/runs/b") == "runs/b"
 
 
 def test_load_drafter_round_trip(run):

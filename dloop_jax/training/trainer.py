@@ -693,7 +693,7 @@ def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: 
     drafter_io.export_drafter(drafter, os.path.join(workdir, BEST_DIR),
                               target_name=trainer.target.name, metrics=dict(last),
                               extra={"step": trainer.step, "objective": c.objective,
-                                     "workdir": workdir})
+                                     "workdir": recorded_path(workdir)})
     summary += f" (best so far: exported to {os.path.join(workdir, BEST_DIR)})"
   message = f"step {trainer.step}: {summary} (engine evaluation, {result['engine_eval_s']:.1f}s)"
   if bar is not None:
@@ -713,6 +713,15 @@ class TrainResult:
   compile_s: float
   train_s: float
   stopped_early: bool = False  # eval.patience ended the run before num_steps
+
+
+def recorded_path(path: str) -> str:
+  """`path` as an export records it: relative to the working directory when inside it, else
+  its last two components (an export travels to other machines; their paths mean nothing)."""
+  rel = os.path.relpath(os.path.abspath(path))
+  if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+    return rel
+  return "/".join(os.path.normpath(os.path.abspath(path)).split(os.sep)[-2:])
 
 
 def _restore_or_initialize(c: ml_collections.ConfigDict, trainer: "Trainer", *,
@@ -884,7 +893,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
           trainer.drafter_with(), c.export.path or os.path.join(workdir, EXPORT_DIR),
           target_name=trainer.target.name, metrics=last,
           extra={"step": trainer.step, "objective": c.objective,
-                 "init_from": init_source or "", "workdir": workdir})
+                 "init_from": init_source or "", "workdir": recorded_path(workdir)})
   finally:
     if bar is not None:
       bar.close()
