@@ -16,7 +16,12 @@ docs/checkpoint_formats.md.
 target's (block, DSpark, Domino) to the most frequent response tokens of a
 dataset built by `python -m train.data` (--token-counts: its directory): the
 trained weights are kept and a drafting stage reads that many head rows instead
-of the whole vocabulary's (`dloop_jax.drafters.with_draft_vocab`).
+of the whole vocabulary's, and as many rows of DSpark's Markov head or Domino's
+correction (`dloop_jax.drafters.with_draft_vocab`). This is how a DSpark or
+Domino drafter gets a draft vocabulary: they train over the full one. The
+public layouts hold no draft vocabulary: with --format hf a restricted DSpark
+or Domino drafter is refused, a restricted block drafter is written over the
+whole head (with a warning).
 """
 
 from __future__ import annotations

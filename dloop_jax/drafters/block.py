@@ -239,10 +239,14 @@ class BlockDrafter(Drafter):
     cos, sin = self._angles(positions)
     return _rope(k, cos, sin), v
 
+  def draft_vocab_rows(self, w: jax.Array) -> jax.Array:
+    """Rows [V, ...] of an output weight (one row per target id) -> the draft ids' [Vd, ...]."""
+    return w if self.d2t is None else jnp.take(w, self.d2t[...], axis=0)
+
   def _head_rows(self) -> jax.Array:
     """The head as rows [Vd, D] (draft vocabulary only): no transposed copy of the embedding."""
-    rows = self.embed[...] if self.lm_head is None else self.lm_head[...].T
-    return rows if self.d2t is None else jnp.take(rows, self.d2t[...], axis=0)
+    return self.draft_vocab_rows(self.embed[...] if self.lm_head is None
+                                 else self.lm_head[...].T)
 
   def draft_logits(self, hidden: jax.Array, *, head_rows: jax.Array | None = None) -> jax.Array:
     """Block outputs [..., D] -> f32 logits over the draft vocabulary [..., Vd].
@@ -258,6 +262,11 @@ class BlockDrafter(Drafter):
   def to_draft_ids(self, target_ids: jax.Array) -> jax.Array:
     """Target ids -> draft ids (-1 outside the draft vocabulary)."""
     return target_ids if self.t2d is None else self.t2d[...][target_ids]
+
+  def to_target_probs(self, probs: jax.Array) -> jax.Array:
+    """Draft-id probabilities [..., Vd] -> target vocabulary [..., V] (0 off the draft ids)."""
+    return probs if self.d2t is None else layers.scatter_to_vocab(probs, self.d2t[...],
+                                                                  self.vocab_size)
 
   def mask_input(self) -> jax.Array:
     """The mask input [D]: `mask_embed`, or the embedding of `spec.mask_token_id`."""
@@ -432,9 +441,7 @@ class BlockDrafter(Drafter):
                                    axis=-1)[..., 0]
     probs = None
     if not sampling.greedy:
-      probs = sampling_lib.processed_probs(logits, sampling)
-      if self.d2t is not None:
-        probs = layers.scatter_to_vocab(probs, self.d2t[...], self.vocab_size)
+      probs = self.to_target_probs(sampling_lib.processed_probs(logits, sampling))
     tokens = self.to_target_ids(draft_ids).astype(jnp.int32)
     state = state.replace(anchor=tokens[:, -1])
     return state, DraftStage(tokens=tokens, logprobs=logprobs, probs=probs)

@@ -28,6 +28,14 @@ a zero state over its own anchor, as in training, so nothing of the head is
 carried across stages or committed; the context of later stages is the
 backbone's stand-ins, as for the block drafter.
 
+Draft vocabulary. A trained drafter restricted to its commonest ids
+(`with_draft_vocab`) keeps every weight: W2's rows are the logits' rows, so it
+reads the draft ids' rows of W2 (gathered once per generation into
+`DominoState.correction_rows`), as the backbone does the target's head rows,
+and its logits are the full drafter's at those ids. The GRU reads the target's
+embeddings: drafts are mapped back to target ids before they are fed, and
+DARTree's candidates are target ids.
+
 Weights use the layouts of Domino's checkpoints: `gru_w_ih` [3G, H]
 (`prefix_gru.weight_ih_l0`), `gru_w_hh` [3G, G] (`weight_hh_l0`),
 `correction_w1` [r, H + G] (`embed_proj.0.weight`), `correction_w2` [V, r]
@@ -57,10 +65,15 @@ class DominoState(BlockState):
   """Block drafter state plus the GRU's input projection of the vocabulary.
 
   Attributes:
-    gru_table: [V, 3G] `embed @ W_ih^T`, computed once per generation.
+    gru_table: [V, 3G] `embed @ W_ih^T`, computed once per generation (rows
+      indexed by target id).
+    correction_rows: [Vd, r] the draft ids' rows of `correction_w2`, gathered
+      once per generation (as `head_rows`); None over the full vocabulary (the
+      parameter is then read as is).
   """
 
   gru_table: jax.Array
+  correction_rows: jax.Array | None = None
 
 
 def gru_step(h: jax.Array, gi: jax.Array, w_hh: jax.Array) -> jax.Array:
@@ -123,27 +136,36 @@ class DominoDrafter(BlockDrafter):
     _, hs = jax.lax.scan(step, h0, jnp.moveaxis(gi, -2, 0))
     return jnp.moveaxis(hs, 0, -2)
 
-  def correction(self, hidden: jax.Array, states: jax.Array) -> jax.Array:
-    """Backbone outputs [..., D], GRU states [..., G] -> f32 logit corrections [..., V]."""
+  def correction(self, hidden: jax.Array, states: jax.Array, *,
+                 rows: jax.Array | None = None) -> jax.Array:
+    """Backbone outputs [..., D], GRU states [..., G] -> f32 logit corrections [..., Vd].
+
+    `rows` is `DominoState.correction_rows` when the caller has it.
+    """
+    if rows is None:
+      rows = self.draft_vocab_rows(self.correction_w2[...])
     z = rms_norm(hidden, self.final_norm[...], self.eps)
     x = jnp.concatenate([z, states.astype(z.dtype)], axis=-1)
-    return (jax.nn.silu(x @ self.correction_w1[...].T) @ self.correction_w2[...].T
-            ).astype(jnp.float32)
+    return (jax.nn.silu(x @ self.correction_w1[...].T) @ rows.T).astype(jnp.float32)
 
   def corrected_logits(self, hidden: jax.Array, tokens: jax.Array, *,
-                       head_rows: jax.Array | None = None) -> jax.Array:
+                       head_rows: jax.Array | None = None,
+                       correction_rows: jax.Array | None = None) -> jax.Array:
     """Teacher-forced logits of a block.
 
     Args:
       hidden: [..., gamma, D] backbone outputs (output i predicts x_{i+1}).
-      tokens: [..., gamma] the block's realised tokens x_0 (anchor) .. x_{gamma-1}.
+      tokens: [..., gamma] the block's realised tokens x_0 (anchor) .. x_{gamma-1}
+        (target ids).
       head_rows: `_head_rows()` when the caller has it.
+      correction_rows: `DominoState.correction_rows` when the caller has it.
 
     Returns:
-      (base, corrected) f32 logits [..., gamma, V].
+      (base, corrected) f32 logits [..., gamma, Vd].
     """
     base = self.draft_logits(hidden, head_rows=head_rows)
-    corr = self.correction(hidden, self.prefix_states(self.gru_inputs(tokens)))
+    corr = self.correction(hidden, self.prefix_states(self.gru_inputs(tokens)),
+                           rows=correction_rows)
     first = (jnp.arange(hidden.shape[-2]) == 0)[:, None]
     return base, base + jnp.where(first, 0.0, corr)
 
@@ -151,23 +173,29 @@ class DominoDrafter(BlockDrafter):
   def init_state(self, *, batch_size: int, capacity: int) -> DominoState:
     base = super().init_state(batch_size=batch_size, capacity=capacity)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    # Gathered once, not per stage; over the full vocabulary the parameter is
+    # read in place (no copy of [V, r] in the state).
+    rows = None if self.d2t is None else self.draft_vocab_rows(self.correction_w2[...])
     return DominoState(**fields, gru_table=self.embed[...].astype(self.gru_w_ih[...].dtype)
-                       @ self.gru_w_ih[...].T)
+                       @ self.gru_w_ih[...].T, correction_rows=rows)
 
   def draft_stage(self, state, *, key, block_size, sampling):
     state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]
-    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, V]
-    w_hh, table = self.gru_w_hh[...], state.gru_table
+    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, Vd]
+    w_hh, table, rows = self.gru_w_hh[...], state.gru_table, state.correction_rows
     s0 = gru_step(jnp.zeros((h.shape[0], w_hh.shape[1]), table.dtype),
                   jnp.take(table, state.anchor, axis=0), w_hh)
 
     def step(s, xs):
       # s = GRU state after the tokens realised so far in this block.
       i, base_i, h_i, key_i = xs
-      logits = base_i + jnp.where(i == 0, 0.0, self.correction(h_i, s))
-      token = sampling_lib.next_token(key_i, logits, sampling).astype(jnp.int32)
-      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+      logits = base_i + jnp.where(i == 0, 0.0, self.correction(h_i, s, rows=rows))
+      draft_id = sampling_lib.next_token(key_i, logits, sampling)
+      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), draft_id[:, None],
+                                    axis=-1)[:, 0]
       probs = None if sampling.greedy else sampling_lib.processed_probs(logits, sampling)
+      # The GRU reads target ids (the table's rows).
+      token = self.to_target_ids(draft_id).astype(jnp.int32)
       s = gru_step(s, jnp.take(table, token, axis=0), w_hh)
       return s, (token, logprob, probs)
 
@@ -176,8 +204,9 @@ class DominoDrafter(BlockDrafter):
     _, (tokens, logprobs, probs) = jax.lax.scan(step, s0, xs)
     t = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
     tokens = t(tokens)
+    probs = None if probs is None else self.to_target_probs(t(probs))
     state = state.replace(anchor=tokens[:, -1])
-    return state, DraftStage(tokens=tokens, logprobs=t(logprobs), probs=t(probs))
+    return state, DraftStage(tokens=tokens, logprobs=t(logprobs), probs=probs)
 
   def draft_tree_stage(self, state, *, block_size, budget):
     """DARTree: a stage's tree grown depth by depth from the corrected logits.
@@ -185,21 +214,22 @@ class DominoDrafter(BlockDrafter):
     Every kept prefix carries its own GRU state. Depth 1 reads the anchor's
     output (base logits, no correction); at depth d each of the W prefixes of
     depth d - 1 (W = `tree_width`) corrects the base logits of output d - 1
-    with its own state, its K = min(W, V) best children are scored (parent
+    with its own state, its K = min(W, Vd) best children are scored (parent
     score + child log-probability), the W best of those W * K candidates are
     kept and their states advanced in one batched GRU step. The drafter's
     chain (the argmax child of the chain's node, from the anchor) is always
     kept, in slot 0: it is the stage's best path, whose distributions the
     gate scores and from whose end a following stage drafts. `tree.select`
-    then keeps the global top B (`budget`).
+    then keeps the global top B (`budget`). Candidate tokens are target ids
+    (the GRU reads them), whatever the draft vocabulary.
 
     Returns:
       The state after the chain (as after a greedy `draft_stage`) and a
       `TreeStage` with the scored prefixes (`candidates` [B, gamma, W]).
     """
     state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]
-    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, V]
-    w_hh, table = self.gru_w_hh[...], state.gru_table
+    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, Vd]
+    w_hh, table, corr_rows = self.gru_w_hh[...], state.gru_table, state.correction_rows
     b, v = base.shape[0], base.shape[-1]
     w = self.tree_width
     k = min(w, v)
@@ -208,8 +238,9 @@ class DominoDrafter(BlockDrafter):
 
     # Depth 1: the anchor's output, uncorrected; every slot's state is then
     # GRU(GRU(0, e(anchor)), e(its token)).
-    lp = jax.nn.log_softmax(base[:, 0].astype(jnp.float32))  # [B, V]
+    lp = jax.nn.log_softmax(base[:, 0].astype(jnp.float32))  # [B, Vd]
     top_lp, top_ids = jax.lax.top_k(lp, k)
+    top_ids = self.to_target_ids(top_ids)
     score = jnp.pad(top_lp, ((0, 0), (0, w - k)), constant_values=neg_inf)  # [B, W]
     token = jnp.pad(top_ids, ((0, 0), (0, w - k))).astype(jnp.int32)
     s0 = gru_step(jnp.zeros((b, w_hh.shape[1]), table.dtype), jnp.take(table, state.anchor, axis=0),
@@ -220,9 +251,11 @@ class DominoDrafter(BlockDrafter):
     parents = [jnp.full((b, w), tree_lib.NO_PARENT, jnp.int32)]
     for d in range(1, block_size):
       logits = base[:, d, None] + self.correction(
-          jnp.broadcast_to(h[:, d, None], (b, w, h.shape[-1])), states)  # [B, W, V]
+          jnp.broadcast_to(h[:, d, None], (b, w, h.shape[-1])), states,
+          rows=corr_rows)  # [B, W, Vd]
       lp = jax.nn.log_softmax(logits)
       top_lp, top_ids = jax.lax.top_k(lp, k)  # [B, W, K]
+      top_ids = self.to_target_ids(top_ids)
       cand = (score[:, :, None] + top_lp).reshape(b, w * k)
       # Candidate 0 (slot 0's argmax child) continues the chain: kept in slot 0.
       _, pick = jax.lax.top_k(cand.at[:, 0].set(jnp.inf), w)

@@ -28,6 +28,13 @@ verification scheduler's c_k by default (`generate(confidence="auto")`). It
 reads the state before draft k is drawn and the token before k, never draft k,
 as the sampling scheduler's causal admission requires (`decoding.schedule`).
 
+Draft vocabulary. A trained drafter restricted to its commonest ids
+(`with_draft_vocab`) keeps every weight: W2's rows are the logits' rows, so it
+reads the draft ids' rows of W2 (gathered once per generation into
+`DSparkState.markov_rows`), as the backbone does the target's head rows, and
+its logits are the full drafter's at those ids. W1 stays indexed by the
+previous token, a target id: drafts are mapped back before they are fed.
+
 Weights use the names and layouts of DeepSpec's checkpoints where there is one
 (`markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r],
 `confidence_head.proj.weight` [1, H + r], `confidence_head.proj.bias` [1]).
@@ -35,16 +42,32 @@ Weights use the names and layouts of DeepSpec's checkpoints where there is one
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax import struct
 
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.drafters import layers
 from dloop_jax.drafters.base import DraftStage
-from dloop_jax.drafters.block import BlockDrafter
+from dloop_jax.drafters.block import BlockDrafter, BlockState
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.models.transformer import Transformer, rms_norm
+
+
+@struct.dataclass
+class DSparkState(BlockState):
+  """Block drafter state plus the Markov head's output rows of a draft vocabulary.
+
+  Attributes:
+    markov_rows: [Vd, r] the draft ids' rows of `markov_w2`, gathered once per
+      generation (as `head_rows`); None over the full vocabulary or without a
+      Markov head (the parameter is then read as is).
+  """
+
+  markov_rows: jax.Array | None = None
 
 
 class DSparkDrafter(BlockDrafter):
@@ -77,17 +100,25 @@ class DSparkDrafter(BlockDrafter):
     return self.confidence_proj is not None
 
   # ------------------------------------------------------------------ heads
-  def markov_bias(self, prev: jax.Array) -> jax.Array:
-    """Previous tokens [...] -> f32 logit bias [..., V] (0 without a Markov head)."""
+  def markov_bias(self, prev: jax.Array, *, rows: jax.Array | None = None) -> jax.Array:
+    """Previous tokens [...] (target ids) -> f32 logit bias [..., Vd] (0 without a Markov head).
+
+    `rows` is `DSparkState.markov_rows` when the caller has it.
+    """
     if self.markov_w1 is None:
-      return jnp.zeros(prev.shape + (self.vocab_size,), jnp.float32)
+      vd = self.spec.draft_vocab_size if self.reduced_vocab else self.vocab_size
+      return jnp.zeros(prev.shape + (vd,), jnp.float32)
+    if rows is None:
+      rows = self.draft_vocab_rows(self.markov_w2[...])
     e = jnp.take(self.markov_w1[...], prev, axis=0)
-    return (e @ self.markov_w2[...].T).astype(jnp.float32)
+    return (e @ rows.T).astype(jnp.float32)
 
   def head_logits(self, hidden: jax.Array, prev: jax.Array, *,
-                  head_rows: jax.Array | None = None) -> jax.Array:
-    """Backbone outputs [..., D] and previous tokens [...] -> f32 draft logits [..., V]."""
-    return self.draft_logits(hidden, head_rows=head_rows) + self.markov_bias(prev)
+                  head_rows: jax.Array | None = None,
+                  markov_rows: jax.Array | None = None) -> jax.Array:
+    """Backbone outputs [..., D] and previous tokens [...] -> f32 draft logits [..., Vd]."""
+    return (self.draft_logits(hidden, head_rows=head_rows)
+            + self.markov_bias(prev, rows=markov_rows))
 
   def confidence_logit(self, hidden: jax.Array, prev: jax.Array) -> jax.Array:
     """Backbone outputs [..., D], previous tokens [...] -> f32 logit of c_k [...]."""
@@ -101,21 +132,33 @@ class DSparkDrafter(BlockDrafter):
     return (z @ w + self.confidence_bias[...][0]).astype(jnp.float32)
 
   # -------------------------------------------------------------- interface
+  def init_state(self, *, batch_size: int, capacity: int) -> DSparkState:
+    base = super().init_state(batch_size=batch_size, capacity=capacity)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    # Gathered once, not per stage; over the full vocabulary the parameter is
+    # read in place (no copy of [V, r] in the state).
+    rows = (None if self.d2t is None or self.markov_w2 is None
+            else self.draft_vocab_rows(self.markov_w2[...]))
+    return DSparkState(**fields, markov_rows=rows)
+
   def draft_stage(self, state, *, key, block_size, sampling):
     state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]
-    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, V]
+    base = self.draft_logits(h, head_rows=state.head_rows)  # [B, gamma, Vd]
 
     def step(prev, xs):
       # Only the Markov bias is sequential: draft k's distribution depends on
       # draft k-1, so a sampled draft is drawn from (and verified against)
       # exactly the distribution its predecessors imply.
       base_k, h_k, key_k = xs
-      logits = base_k + self.markov_bias(prev)
-      token = sampling_lib.next_token(key_k, logits, sampling).astype(jnp.int32)
-      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+      logits = base_k + self.markov_bias(prev, rows=state.markov_rows)
+      draft_id = sampling_lib.next_token(key_k, logits, sampling)
+      logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), draft_id[:, None],
+                                    axis=-1)[:, 0]
       probs = None if sampling.greedy else sampling_lib.processed_probs(logits, sampling)
       conf = (None if self.confidence_proj is None
               else jax.nn.sigmoid(self.confidence_logit(h_k, prev)))
+      # The heads read the previous token as a target id (W1's rows).
+      token = self.to_target_ids(draft_id).astype(jnp.int32)
       return token, (token, logprob, probs, conf)
 
     keys = jax.random.split(key, block_size)
@@ -123,6 +166,7 @@ class DSparkDrafter(BlockDrafter):
         step, state.anchor, (jnp.swapaxes(base, 0, 1), jnp.swapaxes(h, 0, 1), keys))
     t = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
     tokens = t(tokens)
+    probs = None if probs is None else self.to_target_probs(t(probs))
     state = state.replace(anchor=tokens[:, -1])
-    return state, DraftStage(tokens=tokens, logprobs=t(logprobs), probs=t(probs),
+    return state, DraftStage(tokens=tokens, logprobs=t(logprobs), probs=probs,
                              confidence=t(conf))

@@ -22,7 +22,8 @@ A drafter config is a flat dict (or ConfigDict):
                        Domino's 1024 for 4096-wide targets; drafting holds a [V, 3G] table)
     correction_rank    domino: correction MLP width (default 256, at most the hidden size)
 
-dspark and domino draft over the full vocabulary (their heads are [V, r]).
+dspark and domino are trained over the full vocabulary (their heads' output
+weights are [V, r]); `with_draft_vocab` restricts a trained one afterwards.
 
 `Drafter.drafter_config()` returns the resolved dict (every key), which rebuilds
 the same drafter.
@@ -150,9 +151,6 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
     mask_id = int(mask_id)
   heads = {}
   if kind in HEAD_KEYS:
-    if vd:
-      raise ConfigError(f"A {kind} drafter drafts over the full vocabulary; got"
-                        f" draft_vocab_size={vd} (use 0).")
     keys = dict(markov_rank=0, gru_hidden_size=1, correction_rank=1)
     for key in HEAD_KEYS[kind]:
       if key in keys:
@@ -203,14 +201,18 @@ def with_draft_vocab(drafter: Drafter, token_counts: np.ndarray, *, size: int,
   """`drafter`, drafting only the `size` most frequent ids of `token_counts`.
 
   For drafters whose head is the target's own (frozen) head, as the block
-  family's: the trained weights are kept, and the draft logits over the kept
-  ids are unchanged, so a draft changes only where the drafter's best token
-  falls outside them (which the target would rarely accept: they are the
-  rarest tokens of the data). A drafting stage then reads `size` head rows
-  instead of the whole vocabulary's (SmolLM2: 16,384 of 49,152).
+  family's (block, DSpark, Domino): the trained weights are kept, and the
+  draft logits over the kept ids are unchanged, so a draft changes only where
+  the drafter's best token falls outside them (which the target would rarely
+  accept: they are the rarest tokens of the data). A drafting stage then
+  reads `size` head rows instead of the whole vocabulary's (SmolLM2: 16,384 of
+  49,152); DSpark's Markov head and Domino's correction read the same rows of
+  their [V, r] output weights (`markov_w2`, `correction_w2`), and their heads
+  are fed the drafts as target ids.
 
   Args:
-    drafter: a drafter over the full vocabulary (draft_vocab_size 0).
+    drafter: a drafter over the full vocabulary (draft_vocab_size 0); DSpark
+      and Domino drafters train only that way and are restricted here.
     token_counts: [V] counts of the tokens the drafter predicts (its training
       data's responses: `dloop_jax.data.pipeline.token_counts`).
     size: the draft vocabulary's size, 0 < size < V.

@@ -25,6 +25,21 @@ OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
 DTYPES = ("float32", "bfloat16")
 DISTRIBUTED_MODES = distributed_lib.MODES
 FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
+# Drafter kinds trained over the full vocabulary only: their objectives read
+# whole distributions at target ids (labels, the target's probabilities). A
+# trained one is restricted to a draft vocabulary afterwards, its weights kept
+# (`dloop_jax.drafters.with_draft_vocab`).
+FULL_VOCAB_KINDS = ("dspark", "domino")
+
+
+def check_draft_vocab(kind: str, draft_vocab_size: Any) -> None:
+  """Raises ConfigError for a draft vocabulary on a kind trained over the full one."""
+  if kind in FULL_VOCAB_KINDS and draft_vocab_size:
+    raise ConfigError(
+        f"A {kind} drafter trains over the full vocabulary: set drafter.draft_vocab_size=0"
+        f" (got {draft_vocab_size}), then restrict the trained drafter with python -m"
+        " train.export --drafter WORKDIR --out DIR --draft-vocab-size N --token-counts DATASET"
+        " (its weights are kept).")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -219,6 +234,7 @@ def validate(config: Mapping[str, Any]) -> None:
                         " 'engine_tau_sd') or patience=0.")
   if "kind" not in c["drafter"]:
     raise ConfigError("drafter.kind is required (e.g. 'eagle3', 'block', 'dspark' or 'domino').")
+  check_draft_vocab(c["drafter"]["kind"], c["drafter"].get("draft_vocab_size"))
   sharding_lib.normalize_rules(c["sharding"]["rules"])
 
 

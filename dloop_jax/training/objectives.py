@@ -79,6 +79,7 @@ from dloop_jax.drafters.domino import DominoDrafter
 from dloop_jax.drafters.dspark import DSparkDrafter
 from dloop_jax.drafters.eagle3 import Eagle3Drafter
 from dloop_jax.errors import ConfigError
+from dloop_jax.training import config as config_lib
 from dloop_jax.training import domino_objective
 from dloop_jax.training import dspark_objective
 from dloop_jax.training import metrics as metrics_lib
@@ -401,6 +402,9 @@ def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objectiv
   if base is None:
     raise ConfigError(f"No objective trains a {type(drafter).__name__}; expected an EAGLE-3,"
                       " block, DSpark or Domino drafter.")
+  if base in config_lib.FULL_VOCAB_KINDS and drafter.reduced_vocab:
+    # Their losses would index Vd logits with target ids.
+    config_lib.check_draft_vocab(base, drafter.spec.draft_vocab_size)
   if objective == "loop_aware":
     wanted = _get(cfg, "base_objective", base)
     if wanted != base:
