@@ -130,6 +130,24 @@ def test_random_stage_count_is_traced(tiny, packed):
   assert stages == {1, 2, 3}
 
 
+def test_feature_noise_is_relative_and_its_own_stream(tiny, packed):
+  features = jax.random.normal(jax.random.key(1), (4, 9, 2, 64)) * jnp.array([1.0, 300.0])[:, None]
+  noisy = objectives.noisy_features(features, jax.random.key(2), scale=0.1)
+  rms = lambda x: np.sqrt(np.mean(np.square(np.asarray(x)), axis=(0, 1, 3)))
+  # Each tap's noise is a tenth of its own size, however large the tap.
+  np.testing.assert_allclose(rms(noisy - features) / rms(features), [0.1, 0.1], rtol=0.1)
+  drafter = _drafter(tiny, "block")
+  cfg = {"anchors_per_sequence": 8}
+  key = jax.random.key(0)
+  clean = _jit_loss(drafter, "block", cfg)(packed, key)
+  assert _jit_loss(drafter, "block", dict(cfg, feature_noise=0.0))(packed, key)[0] == clean[0]
+  loss_of = _jit_loss(drafter, "block", dict(cfg, feature_noise=0.5))
+  noised = loss_of(packed, key)
+  assert noised[0] != clean[0] and loss_of(packed, key)[0] == noised[0]
+  with pytest.raises(ConfigError, match="feature_noise must be a number >= 0"):
+    objectives.loss_fn(drafter, packed, key, objective="block", cfg={"feature_noise": -0.1})
+
+
 def test_bad_objectives_raise(tiny, packed):
   drafter = _drafter(tiny, "block")
   with pytest.raises(ConfigError, match="does not train"):

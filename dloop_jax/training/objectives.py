@@ -58,6 +58,14 @@ Objectives and their `cfg` keys (any Mapping or ConfigDict):
     stand-in context (`BlockDrafter.train_stages`); DSpark and Domino stages
     are the block drafter's, each with its own objective.
 
+Every objective also takes feature_noise (0: none): Gaussian noise on the
+target's taps, each tap vector's of RMS `feature_noise` times its own RMS
+(scale-free across layers, whose hidden states differ in size by orders of
+magnitude). At inference a drafter reads taps of contexts it never trained
+on; noise in training keeps a small drafter from keying on the exact taps of
+its training answers (EAGLE trains on noised hidden states for the same
+reason).
+
 Metrics: loss, acc_1 .. acc_K (top-1 accuracy at draft position k; K = ttt
 steps, or gamma for block / loop-aware), expected_acceptance_length (see
 `metrics.expected_acceptance_length`), and for loop-aware loss_first,
@@ -68,6 +76,7 @@ the last stage.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,6 +138,13 @@ def _batch(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     out["target_topk_ids"] = jnp.asarray(batch["target_topk_ids"]).astype(jnp.int32)
     out["target_topk_probs"] = jnp.asarray(batch["target_topk_probs"]).astype(jnp.float32)
   return out
+
+
+def noisy_features(features: jax.Array, key: jax.Array, *, scale: float) -> jax.Array:
+  """features [..., D] plus Gaussian noise of RMS `scale` times each vector's own RMS."""
+  rms = jnp.sqrt(jnp.mean(jnp.square(features.astype(jnp.float32)), axis=-1, keepdims=True))
+  noise = jax.random.normal(key, features.shape, jnp.float32) * (scale * rms)
+  return (features.astype(jnp.float32) + noise).astype(features.dtype)
 
 
 def _shift(x: jax.Array, offset: int, fill: int = 0) -> jax.Array:
@@ -405,6 +421,14 @@ def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objectiv
   if base in config_lib.FULL_VOCAB_KINDS and drafter.reduced_vocab:
     # Their losses would index Vd logits with target ids.
     config_lib.check_draft_vocab(base, drafter.spec.draft_vocab_size)
+  noise = _get(cfg, "feature_noise", 0.0)
+  if isinstance(noise, bool) or not isinstance(noise, numbers.Real) or not noise >= 0:
+    raise ConfigError(f"feature_noise must be a number >= 0 (0 = none), got {noise!r}.")
+  if noise:
+    # A stream of its own: the anchors and stages drawn from `key` stay the same.
+    batch = dict(batch, features=noisy_features(jnp.asarray(batch["features"]),
+                                                jax.random.fold_in(key, 0x6E6F6973),
+                                                scale=float(noise)))
   if objective == "loop_aware":
     wanted = _get(cfg, "base_objective", base)
     if wanted != base:
