@@ -84,6 +84,23 @@ def test_multi_stage_share_follows_the_gate(run):
   assert share[float("inf")] == 0.0 and share[float("-inf")] >= 0.5, share
 
 
+def test_dloop_shape_and_fixed_width_reach_generate(run):
+  from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
+  workdir, *_ = run
+  target = trainer_lib.default_build_target(_config().target).model
+  drafter = drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+  prompts = ((5, 9, 11, 3), (7, 2, 30, 8, 1))
+  ev = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, gate=float("-inf"),
+                              block_size=1, max_stages=2, fixed_width=3)
+  got = ev(target, drafter)
+  for mode, shape in (("sd", {}), ("dloop", dict(block_size=1, max_stages=2))):
+    want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode=mode,
+                    drafter=drafter, gate=float("-inf"), schedule="off", fixed_width=3, **shape)
+    assert got[f"engine_tau_{mode}"] == want.total.acceptance_length, mode
+  # Every dloop round drafts two stages of one while tokens are left.
+  assert got["engine_multi_stage_dloop"] >= 0.5
+
+
 class _Tokenizer:
   stop_token_ids = (2,)
 

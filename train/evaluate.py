@@ -21,6 +21,7 @@ depend on timing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -44,6 +45,13 @@ def _parse(argv):
   p.add_argument("--max-prompt-tokens", type=int, default=512)
   p.add_argument("--modes", default="sd,dloop", help="comma-separated: sd, dloop")
   p.add_argument("--gate", type=float, default=-0.5, help="dloop's gate g")
+  p.add_argument("--block-size", type=int, default=None,
+                 help="dloop's drafts per stage (default: the drafter's gamma)")
+  p.add_argument("--max-stages", type=int, default=None, help="dloop's S_max (default 3)")
+  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
+                 help="the target's weight storage")
+  p.add_argument("--fixed-width", type=int, default=0,
+                 help="every target forward this many tokens wide (0: as wide as its tokens)")
   p.add_argument("--data-dir", default="",
                  help="where the ShareGPT held-out prompts are (or are built); '' = default")
   p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -54,9 +62,12 @@ def _parse(argv):
     p.error("--drafters names no drafter")
   if not args.modes or set(args.modes) - {"sd", "dloop"}:
     p.error(f"--modes must be a non-empty subset of sd,dloop; got {','.join(args.modes)!r}")
-  for flag in ("prompts_per_category", "max_new_tokens", "max_prompt_tokens"):
-    if getattr(args, flag) < 1:
+  for flag in ("prompts_per_category", "max_new_tokens", "max_prompt_tokens", "block_size",
+               "max_stages"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1")
+  if args.fixed_width < 0:
+    p.error("--fixed-width must be >= 0")
   return args
 
 
@@ -84,14 +95,17 @@ def main(argv=None) -> int:
   from dloop_jax.training import engine_eval  # pylint: disable=g-import-not-at-top
 
   try:
-    target = load_target(args.target)
-    evaluate = engine_eval.from_config(
-        dict(prompts=args.prompts, num_prompts=args.prompts_per_category,
-             max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-             modes=args.modes, gate=args.gate, data_dir=args.data_dir),
-        target=target.model, tokenizer=target.tokenizer)
+    target = load_target(args.target, weights=args.weights)
+    evaluate = dataclasses.replace(
+        engine_eval.from_config(
+            dict(prompts=args.prompts, num_prompts=args.prompts_per_category,
+                 max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                 modes=args.modes, gate=args.gate, data_dir=args.data_dir),
+            target=target.model, tokenizer=target.tokenizer),
+        block_size=args.block_size, max_stages=args.max_stages, fixed_width=args.fixed_width)
     print(f"{len(evaluate.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, every"
-          f" draft verified; modes {', '.join(args.modes)}", flush=True)
+          f" draft verified; modes {', '.join(args.modes)}; {args.weights} weights"
+          + (f", width {args.fixed_width}" if args.fixed_width else ""), flush=True)
     rows = []
     for name in args.drafters:
       drafter = load_drafter(name, target=target.model)
@@ -113,7 +127,8 @@ def main(argv=None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(prompts=len(evaluate.prompts), max_new_tokens=args.max_new_tokens,
-                     gate=args.gate, rows=rows), f, indent=1)
+                     gate=args.gate, block_size=args.block_size, max_stages=args.max_stages,
+                     weights=args.weights, fixed_width=args.fixed_width, rows=rows), f, indent=1)
   return 0
 
 

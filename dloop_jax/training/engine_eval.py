@@ -35,6 +35,11 @@ class EngineEval:
     max_new_tokens: new tokens per prompt.
     modes: "sd" and / or "dloop".
     gate: dloop's gate.
+    block_size: dloop's drafts per stage (None: the drafter's gamma; `sd`
+      always drafts the drafter's gamma).
+    max_stages: dloop's S_max (None: `generate`'s default).
+    fixed_width: every target forward this many tokens wide (0: as wide as
+      its tokens); see `generate(fixed_width=...)`.
   """
 
   prompts: tuple[tuple[int, ...], ...]
@@ -42,6 +47,9 @@ class EngineEval:
   max_new_tokens: int = 64
   modes: tuple[str, ...] = ("sd", "dloop")
   gate: float = -0.5
+  block_size: int | None = None
+  max_stages: int | None = None
+  fixed_width: int = 0
 
   def __call__(self, target: Any, drafter: Any) -> dict[str, float]:
     """τ per mode, dloop's multi-stage share and the seconds, for `drafter` on `target`.
@@ -54,10 +62,13 @@ class EngineEval:
     from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
     start = time.perf_counter()
     out: dict[str, float] = {}
+    shape = {k: v for k, v in (("block_size", self.block_size),
+                               ("max_stages", self.max_stages)) if v is not None}
     for mode in self.modes:
       result = generate(target, [list(p) for p in self.prompts], max_new_tokens=self.max_new_tokens,
                         mode=mode, drafter=drafter, gate=self.gate, schedule="off",
-                        stop_tokens=self.stop_tokens)
+                        stop_tokens=self.stop_tokens, fixed_width=self.fixed_width,
+                        **(shape if mode == "dloop" else {}))
       total = result.total
       out[f"engine_tau_{mode}"] = float(total.acceptance_length)
       if mode == "dloop":
