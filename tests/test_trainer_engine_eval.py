@@ -99,6 +99,11 @@ def test_dloop_shape_and_fixed_width_reach_generate(run):
     assert got[f"engine_tau_{mode}"] == want.total.acceptance_length, mode
   # Every dloop round drafts two stages of one while tokens are left.
   assert got["engine_multi_stage_dloop"] >= 0.5
+  tree = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, modes=("sd",),
+                                tree_budget=3)(target, drafter)
+  want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode="sd",
+                  drafter=drafter, schedule="off", tree_budget=3)
+  assert tree["engine_tau_sd"] == want.total.acceptance_length
 
 
 class _Tokenizer:

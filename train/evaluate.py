@@ -52,6 +52,8 @@ def _parse(argv):
                  help="the target's weight storage")
   p.add_argument("--fixed-width", type=int, default=0,
                  help="every target forward this many tokens wide (0: as wide as its tokens)")
+  p.add_argument("--tree-budget", type=int, default=0,
+                 help="draft trees of this many nodes a stage (0: chains; drafters with trees)")
   p.add_argument("--data-dir", default="",
                  help="where the ShareGPT held-out prompts are (or are built); '' = default")
   p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -66,8 +68,9 @@ def _parse(argv):
                "max_stages"):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1")
-  if args.fixed_width < 0:
-    p.error("--fixed-width must be >= 0")
+  for flag in ("fixed_width", "tree_budget"):
+    if getattr(args, flag) < 0:
+      p.error(f"--{flag.replace('_', '-')} must be >= 0")
   return args
 
 
@@ -102,10 +105,12 @@ def main(argv=None) -> int:
                  max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                  modes=args.modes, gate=args.gate, data_dir=args.data_dir),
             target=target.model, tokenizer=target.tokenizer),
-        block_size=args.block_size, max_stages=args.max_stages, fixed_width=args.fixed_width)
+        block_size=args.block_size, max_stages=args.max_stages, fixed_width=args.fixed_width,
+        tree_budget=args.tree_budget)
     print(f"{len(evaluate.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, every"
           f" draft verified; modes {', '.join(args.modes)}; {args.weights} weights"
-          + (f", width {args.fixed_width}" if args.fixed_width else ""), flush=True)
+          + (f", width {args.fixed_width}" if args.fixed_width else "")
+          + (f", trees of {args.tree_budget} nodes" if args.tree_budget else ""), flush=True)
     rows = []
     for name in args.drafters:
       drafter = load_drafter(name, target=target.model)
@@ -128,7 +133,8 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       json.dump(dict(prompts=len(evaluate.prompts), max_new_tokens=args.max_new_tokens,
                      gate=args.gate, block_size=args.block_size, max_stages=args.max_stages,
-                     weights=args.weights, fixed_width=args.fixed_width, rows=rows), f, indent=1)
+                     weights=args.weights, fixed_width=args.fixed_width,
+                     tree_budget=args.tree_budget, rows=rows), f, indent=1)
   return 0
 
 

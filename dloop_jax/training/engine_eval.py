@@ -40,6 +40,8 @@ class EngineEval:
     max_stages: dloop's S_max (None: `generate`'s default).
     fixed_width: every target forward this many tokens wide (0: as wide as
       its tokens); see `generate(fixed_width=...)`.
+    tree_budget: draft trees of this many nodes a stage (0: chains); see
+      `generate(tree_budget=...)`.
   """
 
   prompts: tuple[tuple[int, ...], ...]
@@ -50,6 +52,7 @@ class EngineEval:
   block_size: int | None = None
   max_stages: int | None = None
   fixed_width: int = 0
+  tree_budget: int = 0
 
   def __call__(self, target: Any, drafter: Any) -> dict[str, float]:
     """τ per mode, dloop's multi-stage share and the seconds, for `drafter` on `target`.
@@ -68,7 +71,7 @@ class EngineEval:
       result = generate(target, [list(p) for p in self.prompts], max_new_tokens=self.max_new_tokens,
                         mode=mode, drafter=drafter, gate=self.gate, schedule="off",
                         stop_tokens=self.stop_tokens, fixed_width=self.fixed_width,
-                        **(shape if mode == "dloop" else {}))
+                        tree_budget=self.tree_budget, **(shape if mode == "dloop" else {}))
       total = result.total
       out[f"engine_tau_{mode}"] = float(total.acceptance_length)
       if mode == "dloop":
