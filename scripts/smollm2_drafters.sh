@@ -17,7 +17,8 @@
 # Environment: SIZES ("1000 3000 all", the data-scaling curve; default "all"), KINDS (default
 # "eagle3 block"; also dspark, domino: configs/smollm2_<kind>.py), TOPK (the target's top-k next
 # tokens stored in the dataset: default 16 when KINDS holds dspark, else 0), PYTHON (default
-# .venv/bin/python), TRAIN_ARGS: more flags for every
+# .venv/bin/python), LOOP (1: each run's loop-aware fine-tune follows it; 0: base runs only),
+# TRAIN_ARGS: more flags for every
 # `python -m train` (e.g. "--config.eval.every_steps=0"), and DATASET: a built dataset to train
 # on instead of building the 10k one (e.g. a `--snapshot` of a running build).
 set -euo pipefail
@@ -58,6 +59,7 @@ for size in $SIZES; do
     "$PYTHON" -m train --config "configs/smollm2_${kind}.py:cpu10k" --workdir "$base" \
       --config.data.path="$DATASET" --config.data.max_examples="$examples" \
       --config.eval.data_dir="$DATA_DIR" ${TRAIN_ARGS:-}
+    if [[ "${LOOP:-1}" == 0 ]]; then continue; fi
     # The fine-tune starts from the best step by engine tau (the newest one without evaluations).
     init="$base/best"
     [[ -f "$init/drafter.json" ]] || init="$base"
