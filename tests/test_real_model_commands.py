@@ -32,7 +32,8 @@ pytestmark = pytest.mark.real_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
-SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-eagle3")  # best first
+SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-domino",
+           "smollm2-135m-instruct-eagle3")  # best first
 MAX_NEW = 24  # the notebook's MAX_NEW_TOKENS: the same cache size, the same programs
 REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar",
             "acceptance_length", "identical_to_ar")

@@ -17,7 +17,8 @@ from flax import nnx
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.models.config import tiny_target
 
-SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-eagle3")
+SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-domino",
+           "smollm2-135m-instruct-eagle3")
 
 pytestmark = pytest.mark.real_model
 
@@ -55,3 +56,21 @@ def test_block_drafter_round_trips_through_the_public_dflash_layout(real, tmp_pa
   assert sorted(want) == sorted(got)
   for k in want:
     np.testing.assert_array_equal(want[k], got[k], err_msg=str(k))
+
+
+def test_domino_drafter_is_restricted_and_its_correction_head_trained(real):
+  """The shipped Domino drafter drafts over 16,384 ids and its correction head changes what it
+  drafts (head off: `train.evaluate --heads-off`); its losslessness on the real model:
+  tests/test_real_model_commands.py."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dloop_jax.drafters.ablation import without_head  # pylint: disable=g-import-not-at-top
+
+  drafter = drafter_io.load_drafter(SHIPPED[1], target=real.model)
+  assert drafter.spec.kind == "domino" and drafter.spec.draft_vocab_size == 16384
+  h = jax.random.normal(jax.random.key(0), (1, drafter.block_size, real.config.hidden_size))
+  tokens = jax.random.randint(jax.random.key(1), (1, drafter.block_size), 0, 1000)
+  base, corrected = drafter.corrected_logits(h, tokens)
+  assert base.shape[-1] == 16384
+  assert np.abs(np.asarray(corrected - base)[:, 1:]).max() > 0.1
+  _, off = without_head(drafter, "correction").corrected_logits(h, tokens)
+  np.testing.assert_array_equal(np.asarray(off), np.asarray(base))
