@@ -19,7 +19,8 @@ represent is refused with `CheckpointFormatError` saying why: EAGLE-3 variants
 with q/k norms or biases (DeepSpec's, `attention_bias`), DFlash-2, taps of the
 input embeddings (DSpark's -1), Markov heads other than "vanilla", Domino
 without shifted labels or with a longer pure-draft prefix, and (writing) a
-reduced draft vocabulary or a learned mask vector in the block family.
+learned mask vector in the block family (a draft vocabulary is left out with a
+warning: no layout holds one, and no block-family weight depends on it).
 """
 
 from dloop_jax.drafters.hf_format.common import CONFIG_FILE

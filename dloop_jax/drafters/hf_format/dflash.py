@@ -137,23 +137,20 @@ def read(hf, tensors, target, *, source):
   return dict(config, kind="block", block_size=int(block) - 1), params, {}, None
 
 
-def backbone_layout(drafter, dtype, *, what: str, drop_draft_vocab: bool = False
+def backbone_layout(drafter, dtype, *, what: str
                     ) -> tuple[dict[str, Any], dict[str, np.ndarray], int]:
   """(config.json base, backbone tensors, mask_token_id) of a block-family drafter.
 
-  `drop_draft_vocab`: a draft vocabulary (the target's head restricted to the
-  commonest ids, `with_draft_vocab`: no weights of its own) is left out, with a
-  warning: the layout's drafter drafts over the whole vocabulary.
+  A draft vocabulary (the target's head restricted to the commonest ids,
+  `with_draft_vocab`) is left out, with a warning: no weight of the block
+  family depends on it (DSpark's and Domino's head rows stay [V, r]), so the
+  layout's drafter is the full-vocabulary one, drafting over the whole head.
   """
   s, tc = drafter.spec, drafter.target_config
-  if drafter.reduced_vocab and drop_draft_vocab:
+  if drafter.reduced_vocab:
     warnings.warn(f"The {what} layout has no draft vocabulary: the drafter is written to draft"
                   f" over the target's whole head, not its {s.draft_vocab_size} draft ids"
                   " (its weights do not depend on them).", stacklevel=2)
-  elif drafter.reduced_vocab:
-    raise CheckpointFormatError(
-        f"This drafter drafts over a reduced vocabulary ({s.draft_vocab_size} ids); the {what}"
-        " layout has no draft vocabulary (it always uses the target's whole head).")
   if not s.qk_norm:
     raise CheckpointFormatError(f"This drafter has no q/k norms; {what} layers always apply them"
                                 " (train it with qk_norm=True).")
@@ -187,8 +184,7 @@ def backbone_layout(drafter, dtype, *, what: str, drop_draft_vocab: bool = False
 
 
 def layout(drafter, dtype) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  config, tensors, mask_id = backbone_layout(drafter, dtype, what="DFlash",
-                                             drop_draft_vocab=True)
+  config, tensors, mask_id = backbone_layout(drafter, dtype, what="DFlash")
   block = drafter.spec.block_size + 1
   dflash = {"mask_token_id": mask_id, "target_layer_ids": list(drafter.taps),
             "block_size": block}
