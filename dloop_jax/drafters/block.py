@@ -50,6 +50,8 @@ then the drafter has no mask parameter and writes to the DFlash layout as is.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +98,10 @@ class BlockState:
   head_rows: jax.Array
   layers: tuple[dict[str, jax.Array], ...]
   kv_rows: jax.Array
+
+  def extended(self, cls: type, **extra) -> "BlockState":
+    """This state as `cls` (a subclass: a head drafter's state) with its `extra` fields."""
+    return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **extra)
 
 
 # Drafting reads the head rows in bf16 (products accumulate in f32). The head is
@@ -242,6 +248,12 @@ class BlockDrafter(Drafter):
   def draft_vocab_rows(self, w: jax.Array) -> jax.Array:
     """Rows [V, ...] of an output weight (one row per target id) -> the draft ids' [Vd, ...]."""
     return w if self.d2t is None else jnp.take(w, self.d2t[...], axis=0)
+
+  def held_draft_vocab_rows(self, w: jax.Array | None) -> jax.Array | None:
+    """`draft_vocab_rows(w)` for a drafter state, gathered once per generation; None over the
+    full vocabulary (or without `w`): the parameter is then read in place, not copied into
+    the state."""
+    return None if self.d2t is None or w is None else self.draft_vocab_rows(w)
 
   def _head_rows(self) -> jax.Array:
     """The head as rows [Vd, D] (draft vocabulary only): no transposed copy of the embedding."""

@@ -47,8 +47,6 @@ Weights use the layouts of Domino's checkpoints: `gru_w_ih` [3G, H]
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -172,11 +170,8 @@ class DominoDrafter(BlockDrafter):
   # -------------------------------------------------------------- interface
   def init_state(self, *, batch_size: int, capacity: int) -> DominoState:
     base = super().init_state(batch_size=batch_size, capacity=capacity)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    # Gathered once, not per stage; over the full vocabulary the parameter is
-    # read in place (no copy of [V, r] in the state).
-    rows = None if self.d2t is None else self.draft_vocab_rows(self.correction_w2[...])
-    return DominoState(**fields, correction_rows=rows)
+    return base.extended(DominoState,
+                         correction_rows=self.held_draft_vocab_rows(self.correction_w2[...]))
 
   def draft_stage(self, state, *, key, block_size, sampling):
     state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]

@@ -42,8 +42,6 @@ Weights use the names and layouts of DeepSpec's checkpoints where there is one
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -134,12 +132,8 @@ class DSparkDrafter(BlockDrafter):
   # -------------------------------------------------------------- interface
   def init_state(self, *, batch_size: int, capacity: int) -> DSparkState:
     base = super().init_state(batch_size=batch_size, capacity=capacity)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    # Gathered once, not per stage; over the full vocabulary the parameter is
-    # read in place (no copy of [V, r] in the state).
-    rows = (None if self.d2t is None or self.markov_w2 is None
-            else self.draft_vocab_rows(self.markov_w2[...]))
-    return DSparkState(**fields, markov_rows=rows)
+    w2 = None if self.markov_w2 is None else self.markov_w2[...]
+    return base.extended(DSparkState, markov_rows=self.held_draft_vocab_rows(w2))
 
   def draft_stage(self, state, *, key, block_size, sampling):
     state, h = self.backbone_stage(state, block_size)  # h [B, gamma, D]

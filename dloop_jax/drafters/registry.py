@@ -19,7 +19,7 @@ A drafter config is a flat dict (or ConfigDict):
     enable_confidence_head
                        dspark: learn per-draft acceptance estimates (default on)
     gru_hidden_size    domino: prefix GRU width (default: a quarter of the hidden size, as
-                       Domino's 1024 for 4096-wide targets; drafting holds a [V, 3G] table)
+                       Domino's 1024 for 4096-wide targets)
     correction_rank    domino: correction MLP width (default 256, at most the hidden size)
 
 dspark and domino are trained over the full vocabulary (their heads' output
