@@ -186,3 +186,38 @@ def test_fixed_width_methods_fit_the_width():
                                 fixed_widths=[5], common={})
   shapes = {(m.method_name, m.block_size, m.max_stages) for m in got if m.fixed_width}
   assert shapes == {("ar/w5", None, 3), ("sd/all/w5", None, 3), ("dloop/all/w5", 2, 2)}
+
+
+def test_probability_confidence_rows_only_for_a_learned_confidence_under_the_cost_schedule(
+    monkeypatch):
+  """--confidences auto,probability: sd / dloop and sd~prob / dloop~prob for DSpark's chains
+  scheduled by cost; one row per mode elsewhere (no learned confidence, "/all", trees)."""
+  import types  # pylint: disable=g-import-not-at-top
+  from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
+
+  args = bench_main._parse(["--confidences", "auto,probability", "--tree-budgets", "0,8"])
+  dspark = types.SimpleNamespace(block_size=4, supports_trees=True, has_confidence=True,
+                                 name="dspark")
+  block = types.SimpleNamespace(block_size=4, supports_trees=False, has_confidence=False,
+                                name="block")
+  monkeypatch.setattr(bench_main, "_cost_table", lambda *a, **k: None)  # no target here
+  got = bench_main._our_methods(args, target=None, drafters=[("ds", dspark), ("b", block)],
+                                weights="", modes=["sd", "dloop"], schedules=["cost", "off"],
+                                tree_schedules=["cost"], fixed_widths=[], common={})
+  rows = sorted((m.drafter_label, m.method_name, m.confidence) for m in got if m.drafter_label)
+  assert rows == sorted([
+      ("ds", "sd", "auto"), ("ds", "sd~prob", "probability"), ("ds", "sd/all", "auto"),
+      ("ds", "dloop", "auto"), ("ds", "dloop~prob", "probability"), ("ds", "dloop/all", "auto"),
+      ("ds", "sd/tree8", "auto"), ("ds", "dloop/tree8", "auto"),
+      ("b", "sd", "auto"), ("b", "sd/all", "auto"), ("b", "dloop", "auto"),
+      ("b", "dloop/all", "auto")])
+  order = [r["method"] for r in report.summarize(
+      [_rec("math", m, "ds", 10, 1.0) for m in ("dloop~prob", "sd/all", "sd~prob", "ar", "sd")])]
+  assert order[:5] == ["ar", "sd", "sd~prob", "sd/all", "dloop~prob"]
+
+
+def test_bad_confidences_fail_before_the_target_loads():
+  proc = subprocess.run([sys.executable, "-m", "infer.bench", "--confidences", "head"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert "--confidences takes auto and / or probability" in proc.stderr

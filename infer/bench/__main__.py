@@ -86,6 +86,12 @@ def _parse(argv):
   p.add_argument("--schedules", default="cost,off",
                  help="verification schedules of sd / dloop: cost (the prefix that pays; methods"
                       " sd, dloop) and off (every draft; sd/all, dloop/all)")
+  p.add_argument("--confidences", type=_names, default=["auto"],
+                 help="what the cost scheduler reads as each draft's confidence c_k: auto (the"
+                      " drafter's learned confidence where it has one, e.g. DSpark's head; else"
+                      " its top draft probabilities) and / or probability (the top draft"
+                      " probabilities always: methods sd~prob, dloop~prob, run for drafters"
+                      " with a learned confidence only)")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest drafting pause after fruitless rounds (default: 64 with schedule"
                       " cost, 0 with off; the gate sweep always drafts)")
@@ -218,10 +224,15 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
                f" budget {budget} skipped")
           continue
         for schedule in (tree_schedules if budget else schedules):
-          methods.append(methods_lib.Ours(
-              method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
-              gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
-              draft_backoff=args.draft_backoff, tree_budget=budget, **common))
+          # The confidence source matters to the chain's cost scheduler alone, and differs
+          # only for a drafter with a learned confidence.
+          learned = schedule == "cost" and not budget and d.has_confidence
+          for confidence in (args.confidences if learned else ["auto"]):
+            methods.append(methods_lib.Ours(
+                method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
+                gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
+                draft_backoff=args.draft_backoff, tree_budget=budget, confidence=confidence,
+                **common))
   for width in fixed_widths:
     methods.append(methods_lib.Ours(method="ar", fixed_width=width, **common))
   for label, d in (drafters if fixed_widths else ()):
@@ -277,6 +288,9 @@ def main(argv=None) -> int:
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     if any(b < 0 for b in args.tree_budgets):
       raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
+    if not args.confidences or any(x not in ("auto", "probability") for x in args.confidences):
+      raise DLoopError("--confidences takes auto and / or probability, got"
+                       f" {','.join(args.confidences)!r}.")
     tree_schedules = _names(args.tree_schedules)
     if any(x not in ("cost", "off") for x in tree_schedules):
       raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")

@@ -4,6 +4,9 @@
            sd / dloop (per drafter) dloop_jax generate(mode=..., drafter=...), verifying the
                                     prefix of the drafts that pays (schedule="cost")
            sd/all, dloop/all        the same, verifying every draft (schedule="off")
+           sd~prob, dloop~prob      the prefix that pays, scheduled from the top draft
+                                    probabilities instead of a learned confidence
+                                    (confidence="probability"; drafters with one)
            sd/treeB/all, ...        draft trees of B nodes per stage (tree_budget=B), verified
                                     whole ("/all") or their best nodes that pay (no "/all")
     peers  hf                       transformers (PyTorch) greedy generate()
@@ -66,18 +69,23 @@ class Ours:
   tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains
   fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
   weights: str = ""  # the target's weight storage when not the run's reference ("bf16"); "": it
+  confidence: str = "auto"  # the scheduler's c_k (`generate(confidence=)`)
 
   @property
   def method_name(self) -> str:
     """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is
-    verified, "/wW" at a fixed forward width W, "@bf16" on a target whose weights are
-    stored otherwise than the run's reference `ar`'s."""
+    verified, "~prob" when the scheduler reads the top draft probabilities of a drafter that
+    has a learned confidence, "/wW" at a fixed forward width W, "@bf16" on a target whose
+    weights are stored otherwise than the run's reference `ar`'s."""
     width = f"/w{self.fixed_width}" if self.fixed_width else ""
     weights = f"@{self.weights}" if self.weights else ""
     if self.method == "ar":
       return self.method + width + weights
     name = self.method + (f"/tree{self.tree_budget}" if self.tree_budget else "")
-    return (f"{name}/all" if self.schedule == "off" else name) + width + weights
+    name = f"{name}/all" if self.schedule == "off" else name
+    if self.confidence == "probability":
+      name += "~prob"
+    return name + width + weights
 
   @property
   def label(self) -> str:
@@ -93,7 +101,7 @@ class Ours:
         max_stages=self.max_stages if max_stages is None else max_stages,
         sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
         schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff,
-        tree_budget=self.tree_budget, fixed_width=self.fixed_width)
+        tree_budget=self.tree_budget, fixed_width=self.fixed_width, confidence=self.confidence)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,

@@ -87,12 +87,14 @@ def summarize(records: Iterable[dict]) -> list[dict]:
                                         "hf_pld"))}
 
   def rank(method: str) -> tuple:
-    # Trees after their chain: sd, sd/tree8, sd/tree16, sd/all, sd/tree8/all, ..., dloop, ...
+    # Trees after their chain: sd, sd~prob, sd/tree8, sd/tree16, sd/all, sd/tree8/all, ...,
+    # dloop, ...
+    method, prob, _ = method.partition("~prob")
     mode, _, rest = method.partition("/tree")
     if not rest:
-      return (order.get(method, 9), 0)
+      return (order.get(method, 9), 0, bool(prob))
     budget, _, schedule = rest.partition("/")
-    return (order.get(f"{mode}/{schedule}" if schedule else mode, 9), int(budget))
+    return (order.get(f"{mode}/{schedule}" if schedule else mode, 9), int(budget), bool(prob))
 
   keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], rank(k[1]), k[2]))
   return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c), ar_per_step.get(c))
