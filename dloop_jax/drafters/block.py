@@ -66,8 +66,8 @@ from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
-from dloop_jax.models.transformer import (Transformer, dense, dense_out_major, project_rows,
-                                          rms_norm, take_rows)
+from dloop_jax.models.transformer import (Transformer, dense, dense_out_major, is_half,
+                                          project_rows, rms_norm, take_rows)
 
 
 @struct.dataclass
@@ -326,8 +326,7 @@ class BlockDrafter(Drafter):
   @property
   def drafts_out_major(self) -> bool:
     """Whether `drafting_layers` holds the matrices transposed (16-bit `draft_layer_dtype`)."""
-    dtype = self.draft_layer_dtype
-    return dtype is not None and jnp.dtype(dtype).itemsize == 2
+    return self.draft_layer_dtype is not None and is_half(self.draft_layer_dtype)
 
   def run_blocks(self, x: jax.Array, *, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
                  ctx_mask: jax.Array, own_k: jax.Array | None = None,
