@@ -62,6 +62,18 @@ def test_export_contents(run):
   assert info["extra"]["workdir"] == "/".join(workdir.split(os.sep)[-2:])
 
 
+def test_export_files_carry_no_machine_path(run):
+  """An export is copied and shipped: no file in it names the directory it was written to
+  (orbax's commit marker did)."""
+  _, result = run
+  for folder, _, files in os.walk(result.export_dir):
+    for name in files:
+      with open(os.path.join(folder, name), "rb") as f:
+        assert result.export_dir.encode() not in f.read(), os.path.join(folder, name)
+  marker = os.path.join(result.export_dir, "arrays", "commit_success.txt")
+  assert not os.path.exists(marker) or open(marker).read().endswith(" arrays")
+
+
 def test_recorded_paths_carry_no_machine_paths(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert trainer_lib.recorded_path(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")

@@ -100,6 +100,20 @@ def drafter_config_of(drafter: nnx.Module) -> dict[str, Any]:
   return _jsonable(fn())
 
 
+# orbax's marker of a finished write (written on file systems without atomic
+# renames). Its text names the absolute directory written to; only its presence
+# is read back.
+_COMMIT_MARKER = "commit_success.txt"
+
+
+def _make_commit_marker_portable(arrays_dir: str) -> None:
+  """Rewrites the marker's text without the machine's path: exports are copied and shipped."""
+  marker = os.path.join(arrays_dir, _COMMIT_MARKER)
+  if os.path.exists(marker):
+    with open(marker, "w") as f:
+      f.write(f"Checkpoint commit was successful to {os.path.basename(arrays_dir)}")
+
+
 def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name: str = "",
                    metrics: Mapping[str, Any] | None = None,
                    extra: Mapping[str, Any] | None = None,
@@ -144,6 +158,8 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.join(path, ARRAYS_DIR), arrays, force=True)
     checkpointer.wait_until_finished()
+  if jax.process_index() == 0:
+    _make_commit_marker_portable(os.path.join(path, ARRAYS_DIR))
 
   def describe(tree):
     return {k: {"shape": list(np.shape(v)), "dtype": str(jnp.asarray(v).dtype)}
