@@ -186,6 +186,13 @@ def test_fixed_width_methods_fit_the_width():
                                 fixed_widths=[5], common={})
   shapes = {(m.method_name, m.block_size, m.max_stages) for m in got if m.fixed_width}
   assert shapes == {("ar/w5", None, 3), ("sd/all/w5", None, 3), ("dloop/all/w5", 2, 2)}
+  # A width too narrow for two stages is passed over, not an error.
+  got = bench_main._our_methods(args, target=None, drafters=[("block", drafter)], weights="",
+                                modes=["sd", "dloop"], schedules=["off"], tree_schedules=[],
+                                fixed_widths=[2, 9], common={})
+  shapes = {(m.method_name, m.block_size, m.max_stages) for m in got if m.fixed_width}
+  assert shapes == {("ar/w2", None, 3), ("ar/w9", None, 3), ("sd/all/w9", None, 3),
+                    ("dloop/all/w9", 4, 2)}
 
 
 def test_probability_confidence_rows_only_for_a_learned_confidence_under_the_cost_schedule(

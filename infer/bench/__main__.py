@@ -239,9 +239,13 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
     for mode in modes:
       gamma, stages = args.block_size, args.max_stages
       if mode == "dloop" and args.block_size is None:
-        # The loop the narrowest fixed width verifies whole (python -m infer's default
-        # at W = 5: 2 x 2).
-        width = fixed_widths[0]
+        # The loop the narrowest fixed width that holds two stages verifies whole
+        # (python -m infer's default at W = 5: 2 x 2).
+        width = next((w for w in fixed_widths if w >= 3), None)
+        if width is None:
+          _log(f"[bench] {label}: dloop needs a fixed width of at least 3 (two stages of one"
+               f" draft), got {fixed_widths}; skipped")
+          continue
         gamma, stages = arguments.loop_shape_for_width(
             width, drafter_block_size=d.block_size, max_stages=args.max_stages)
       else:
