@@ -33,7 +33,7 @@ pytestmark = pytest.mark.real_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-domino",
-           "smollm2-135m-instruct-eagle3")  # best first
+           "smollm2-135m-instruct-dspark", "smollm2-135m-instruct-eagle3")  # best first
 MAX_NEW = 24  # the notebook's MAX_NEW_TOKENS: the same cache size, the same programs
 REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar",
             "acceptance_length", "identical_to_ar")
@@ -71,6 +71,9 @@ def test_benchmark_writes_results_table_and_plots(bench):
   overall = {(r["method"], r["drafter"]): r for r in rows if r["category"] == "overall"}
   ar = overall["ar", ""]
   assert result["config"]["cost_table"]["costs"]["1"] > 0
+  # The results travel: the output directory is recorded without this machine's path.
+  assert str(out) not in (out / "results.json").read_text()
+  assert result["config"]["out"] == "/".join(str(out).split(os.sep)[-2:])
   # Modeled accelerator speedup: every forward one step, a drafter forward (its layers) / 30.
   assert ar["modeled_speedup"] == 1.0
   for (method, _), row in overall.items():

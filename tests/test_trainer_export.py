@@ -79,6 +79,9 @@ def test_recorded_paths_carry_no_machine_paths(tmp_path, monkeypatch):
   assert trainer_lib.recorded_path(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")
   assert trainer_lib.recorded_path("runs/a/") == os.path.join("runs", "a")
   assert trainer_lib.recorded_path("/elsewhere/x/runs/b") == "runs/b"
+  from dloop_jax.recorded_paths import recorded_name  # pylint: disable=g-import-not-at-top
+  assert recorded_name("smollm2-135m-instruct-block") == "smollm2-135m-instruct-block"
+  assert recorded_name("/elsewhere/x/runs/b") == "runs/b"
 
 
 def test_load_drafter_round_trip(run):

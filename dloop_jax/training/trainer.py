@@ -47,6 +47,7 @@ import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError
+from dloop_jax.recorded_paths import recorded_path
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
 from dloop_jax.training import distributed as distributed_lib
@@ -713,15 +714,6 @@ class TrainResult:
   compile_s: float
   train_s: float
   stopped_early: bool = False  # eval.patience ended the run before num_steps
-
-
-def recorded_path(path: str) -> str:
-  """`path` as an export records it: relative to the working directory when inside it, else
-  its last two components (an export travels to other machines; their paths mean nothing)."""
-  rel = os.path.relpath(os.path.abspath(path))
-  if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
-    return rel
-  return "/".join(os.path.normpath(os.path.abspath(path)).split(os.sep)[-2:])
 
 
 def _restore_or_initialize(c: ml_collections.ConfigDict, trainer: "Trainer", *,

@@ -272,6 +272,7 @@ def main(argv=None) -> int:
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
+  from dloop_jax import recorded_paths  # pylint: disable=g-import-not-at-top
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
@@ -406,6 +407,11 @@ def main(argv=None) -> int:
     rows = report.summarize(records)
     os.makedirs(args.out, exist_ok=True)
     config = {k: v for k, v in vars(args).items()}
+    # Results travel (and go into docs): no directory of this machine in them.
+    path, name = recorded_paths.recorded_path, recorded_paths.recorded_name
+    config.update(out=path(args.out), data_dir=args.data_dir and path(args.data_dir),
+                  target=name(args.target), costs=args.costs and path(args.costs),
+                  drafters=",".join(name(d) for d in _names(args.drafters)))
     config.update(prompts_per_category=per_category,
                   block_sizes={label: args.block_size or d.block_size for label, d in drafters},
                   cost_table=costs.to_json() if costs is not None else None)
