@@ -18,7 +18,7 @@ from dloop_jax.drafters import io as drafter_io
 from dloop_jax.models.config import tiny_target
 
 SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-domino",
-           "smollm2-135m-instruct-eagle3")
+           "smollm2-135m-instruct-dspark", "smollm2-135m-instruct-eagle3")
 
 pytestmark = pytest.mark.real_model
 
@@ -74,3 +74,29 @@ def test_domino_drafter_is_restricted_and_its_correction_head_trained(real):
   assert np.abs(np.asarray(corrected - base)[:, 1:]).max() > 0.1
   _, off = without_head(drafter, "correction").corrected_logits(h, tokens)
   np.testing.assert_array_equal(np.asarray(off), np.asarray(base))
+
+
+def test_dspark_drafter_is_restricted_and_its_heads_trained(real):
+  """The shipped DSpark drafter drafts over 16,384 ids, its Markov head changes what it drafts
+  (head off: `train.evaluate --heads-off`), and its confidence head gives c_k in (0, 1) that
+  tell positions apart."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dloop_jax.drafters.ablation import without_head  # pylint: disable=g-import-not-at-top
+
+  drafter = drafter_io.load_drafter("smollm2-135m-instruct-dspark", target=real.model)
+  assert drafter.spec.kind == "dspark" and drafter.spec.draft_vocab_size == 16384
+  assert drafter.has_confidence
+  state = drafter.init_state(batch_size=1, capacity=8)
+  h = jax.random.normal(jax.random.key(0), (1, drafter.block_size, real.config.hidden_size))
+  prev = jax.random.randint(jax.random.key(1), (1, drafter.block_size), 0, 1000)
+  logits = drafter.head_logits(h, prev, head_rows=state.head_rows, markov_rows=state.markov_rows)
+  base = drafter.draft_logits(h, head_rows=state.head_rows)
+  assert logits.shape[-1] == 16384
+  assert np.abs(np.asarray(logits - base)).max() > 0.1
+  off = without_head(drafter, "markov")
+  off_state = off.init_state(batch_size=1, capacity=8)
+  np.testing.assert_array_equal(
+      np.asarray(off.head_logits(h, prev, head_rows=off_state.head_rows,
+                                 markov_rows=off_state.markov_rows)), np.asarray(base))
+  c = np.asarray(jax.nn.sigmoid(drafter.confidence_logit(h, prev)))
+  assert ((c > 0) & (c < 1)).all() and np.ptp(c) > 0.01
