@@ -149,6 +149,10 @@ def loop_aware_fine_tune(c: ml_collections.ConfigDict, *, num_steps: int,
     raise ConfigError("loop_aware_fine_tune needs the config of a normally trained drafter;"
                       " this one already fine-tunes loop-aware.")
   settings = dict(to_plain(c.objective_cfg), max_stages=max_stages, base_objective=base)
+  # Stated, so that a fine-tune aimed at a narrower stage (e.g. 2 x 2 for a 5-token
+  # verification) can set it: --config.objective_cfg.block_size=2.
+  if "block_size" in c.drafter:
+    settings.setdefault("block_size", c.drafter.block_size)
   c.objective = "loop_aware"
   c.objective_cfg = ml_collections.ConfigDict(settings)
   c.num_steps = num_steps
