@@ -111,6 +111,8 @@ def test_command_prints_the_table_and_fit_and_writes_plot_and_json(tmp_path, cap
   assert "| 1,000 | block_1000 | 400 (600) | 1.250 | no |" in text
   assert "| 10,000 | block_10000 | 600 (600) | 1.400 | yes |" in text
   assert "block_3000: τ was still rising" in text
+  assert "| examples | 200 | 400 | 600 |" in text
+  assert "| 3,000 | 1.200 | 1.300 |  |" in text
   assert "extrapolation, not a measurement" in text
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   result = json.loads(out_json.read_text())

@@ -15,7 +15,8 @@ run's point is its best τ, or with --held-out the τ that `python -m train.eval
 workdir or WORKDIR/best). A run whose τ was still rising at its last evaluation
 is marked as such: its point is a lower bound.
 
-It prints a table, fits logit(α) linear in log10(examples) (α: the per-draft
+It prints a table of the runs and one of their τ at every evaluated step (data sizes
+compared at equal training), fits logit(α) linear in log10(examples) (α: the per-draft
 acceptance that gives τ = 1 + α + ... + α^γ, `dloop_jax.training.scaling_curve`),
 prints the fit's τ at --extrapolate examples and the examples at which it reaches
 --target-tau (extrapolations, not measurements), and with --out writes the plot:
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     points = [(c.examples, held_out[c.workdir] if held_out else c.best_tau) for c in curves]
     scaling = sc.fit(points, gamma=gammas.pop())
     print(sc.table(curves, held_out))
+    print("\nengine τ at each evaluated step:\n" + sc.steps_table(curves) + "\n")
     still_rising = [c for c in curves if not c.converged]
     for c in still_rising:
       print(f"note: {c.workdir}: τ was still rising at its last evaluation (step"

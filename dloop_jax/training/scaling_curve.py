@@ -202,6 +202,18 @@ def table(curves: Sequence[RunCurve], held_out: dict[str, float] | None = None) 
   return "\n".join(lines)
 
 
+def steps_table(curves: Sequence[RunCurve]) -> str:
+  """Markdown: engine τ of each run (rows) at every evaluated step (columns; blank: not reached)."""
+  steps = sorted({s for c in curves for s in c.steps})
+  lines = ["| examples | " + " | ".join(f"{s:,}" for s in steps) + " |",
+           "|---|" + "---|" * len(steps)]
+  for c in sorted(curves, key=lambda c: c.examples):
+    by_step = dict(zip(c.steps, c.taus))
+    lines.append(f"| {c.examples:,} | "
+                 + " | ".join(f"{by_step[s]:.3f}" if s in by_step else "" for s in steps) + " |")
+  return "\n".join(lines)
+
+
 def plot(curves: Sequence[RunCurve], points: Sequence[tuple[int, float]], scaling: ScalingFit,
          *, extrapolate_to: int, out: str, point_label: str) -> None:
   """Two panels: τ over training steps per run; τ against examples with the fit.
