@@ -81,7 +81,11 @@ def test_read_run_takes_the_examples_and_gamma_from_the_checkpoint(tmp_path):
   assert sc.read_run(str(tmp_path / "r"), examples=7).examples == 7
 
   _write_run(tmp_path / "rising", taus_by_step={100: 1.1, 200: 1.2}, max_examples=1_000)
+  # A run still training: reading it leaves the temporary directory of its save in flight.
+  in_flight = tmp_path / "rising" / "checkpoints" / "300.orbax-checkpoint-tmp"
+  (in_flight / "params").mkdir(parents=True)
   assert not sc.read_run(str(tmp_path / "rising")).converged
+  assert (in_flight / "params").is_dir()
 
 
 def test_read_run_errors_name_what_is_wrong(tmp_path):

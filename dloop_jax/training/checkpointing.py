@@ -124,15 +124,19 @@ class Checkpointer:
   """Periodic async saves, keep-last-k, restore-latest with fallback."""
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 3,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
+    """`read_only`: for reading another run's checkpoints (`init_from`, scaling curves),
+    which may be training now: nothing is created, and the temporary directory of a save
+    in flight is left alone instead of being cleaned up as a killed save's."""
     self.directory = epath.Path(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep if keep and keep > 0 else None,
         save_interval_steps=1,  # the trainer decides when to save
         enable_async_checkpointing=async_save,
         # Temporary directories left by a process killed mid-save.
-        cleanup_tmp_directories=True,
-        create=True,
+        cleanup_tmp_directories=not read_only,
+        create=not read_only,
+        read_only=read_only,
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 

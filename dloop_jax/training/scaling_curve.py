@@ -28,8 +28,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from dloop_jax.errors import ConfigError
+from dloop_jax.training import checkpointing
+from dloop_jax.training.trainer import CHECKPOINT_DIR, METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 TAU_KEY = "engine_tau_sd"
 
 
@@ -96,12 +97,12 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 
 def run_config(workdir: str) -> dict[str, Any]:
   """The metadata of the run's newest checkpoint (`config`, `drafter_config`, ...)."""
-  from dloop_jax.training import checkpointing  # pylint: disable=g-import-not-at-top
-  directory = os.path.join(workdir, "checkpoints")
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
   if not checkpointing.has_checkpoints(directory):
     raise ConfigError(f"{workdir} has no checkpoints to read its config from; pass its"
                       " examples explicitly (--examples).")
-  ckpt = checkpointing.Checkpointer(directory, async_save=False)
+  # The run may be training now: read without touching its save in flight.
+  ckpt = checkpointing.Checkpointer(directory, async_save=False, read_only=True)
   try:
     return ckpt.read_meta(ckpt.latest_step())
   finally:
@@ -203,7 +204,7 @@ def table(curves: Sequence[RunCurve], held_out: dict[str, float] | None = None) 
 
 
 def steps_table(curves: Sequence[RunCurve]) -> str:
-  """Markdown: engine τ of each run (rows) at every evaluated step (columns; blank: not reached)."""
+  """Markdown: engine τ of each run (rows) at every evaluated step (blank: not reached)."""
   steps = sorted({s for c in curves for s in c.steps})
   lines = ["| examples | " + " | ".join(f"{s:,}" for s in steps) + " |",
            "|---|" + "---|" * len(steps)]

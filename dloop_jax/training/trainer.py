@@ -543,7 +543,7 @@ class Trainer:
       pass
     ckpt_dir = os.path.join(source, CHECKPOINT_DIR)
     if os.path.isdir(ckpt_dir) and ckpt_lib.has_checkpoints(ckpt_dir):
-      checkpointer = ckpt_lib.Checkpointer(ckpt_dir, keep=0, async_save=False)
+      checkpointer = ckpt_lib.Checkpointer(ckpt_dir, keep=0, async_save=False, read_only=True)
       try:
         step, params, model_state, _ = checkpointer.restore_params(
             abstract_params=ckpt_lib.abstract_like(self.params),
