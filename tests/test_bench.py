@@ -223,6 +223,16 @@ def test_probability_confidence_rows_only_for_a_learned_confidence_under_the_cos
   assert order[:5] == ["ar", "sd", "sd~prob", "sd/all", "dloop~prob"]
 
 
+def test_rows_keep_each_mode_together_across_widths_and_weights():
+  names = ["dloop/all/w5@bf16", "sd/w5@bf16", "ar/w5@bf16", "dloop/w5@bf16", "sd/all/w5@bf16",
+           "sd~prob/w5@bf16", "ar@bf16", "sd/tree8/all", "sd", "ar", "hf", "sd/tree8"]
+  order = [r["method"] for r in report.summarize([_rec("math", m, "d", 10, 1.0) for m in names])
+           if r["category"] == "math"]
+  assert order == ["ar", "ar@bf16", "ar/w5@bf16", "sd", "sd/w5@bf16", "sd~prob/w5@bf16",
+                   "sd/tree8", "sd/all/w5@bf16", "sd/tree8/all", "dloop/w5@bf16",
+                   "dloop/all/w5@bf16", "hf"]
+
+
 def test_bad_confidences_fail_before_the_target_loads():
   proc = subprocess.run([sys.executable, "-m", "infer.bench", "--confidences", "head"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 OVERALL = "overall"
+
+# A method as `methods.OurMethod.method_name` spells it: mode[/treeB][/all][~prob][/wW][@weights].
+_METHOD_NAME = re.compile(r"(?P<mode>[a-z_]+)(?:/tree(?P<budget>\d+))?(?P<all>/all)?"
+                          r"(?P<prob>~prob)?(?:/w(?P<width>\d+))?(?:@(?P<weights>\w+))?")
 
 
 def modeled_tokens_per_step(recs: Sequence[dict]) -> float | None:
@@ -87,14 +92,15 @@ def summarize(records: Iterable[dict]) -> list[dict]:
                                         "hf_pld"))}
 
   def rank(method: str) -> tuple:
-    # Trees after their chain: sd, sd~prob, sd/tree8, sd/tree16, sd/all, sd/tree8/all, ...,
-    # dloop, ...
-    method, prob, _ = method.partition("~prob")
-    mode, _, rest = method.partition("/tree")
-    if not rest:
-      return (order.get(method, 9), 0, bool(prob))
-    budget, _, schedule = rest.partition("/")
-    return (order.get(f"{mode}/{schedule}" if schedule else mode, 9), int(budget), bool(prob))
+    # Trees after their chain, then the scheduler's confidence, the weights, the width:
+    # ar, ar@bf16, ar/w5@bf16, sd, sd~prob, sd/tree8, sd/tree16, sd/all, sd/all/w5@bf16,
+    # sd/tree8/all, ..., dloop, ...
+    parts = _METHOD_NAME.fullmatch(method)
+    if parts is None:
+      return (len(order), 0, False, "", 0, method)
+    chain = parts["mode"] + (parts["all"] or "")
+    return (order.get(chain, len(order)), int(parts["budget"] or 0), bool(parts["prob"]),
+            parts["weights"] or "", int(parts["width"] or 0), method)
 
   keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], rank(k[1]), k[2]))
   return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c), ar_per_step.get(c))
