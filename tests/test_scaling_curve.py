@@ -48,7 +48,7 @@ def test_fit_recovers_a_logit_linear_law_and_inverts_its_prediction():
 
 
 def _write_run(workdir, *, taus_by_step, max_examples, block_size=4, num_steps=None,
-               partial_last_line=False):
+               patience=0, partial_last_line=False):
   """A workdir as `python -m train` leaves it: metrics.jsonl and a checkpoint's metadata."""
   workdir.mkdir(parents=True)
   last = max(taus_by_step)
@@ -65,7 +65,7 @@ def _write_run(workdir, *, taus_by_step, max_examples, block_size=4, num_steps=N
   ckpt.save(last, params={"w": jnp.zeros((2,))}, opt_state={"m": jnp.zeros((2,))}, model_state={},
             data_state={"next": 0},
             meta=dict(drafter_config=dict(kind="block", block_size=block_size),
-                      config=dict(num_steps=num_steps or last,
+                      config=dict(num_steps=num_steps or last, eval=dict(patience=patience),
                                   data=dict(max_examples=max_examples, path="/nonexistent"))))
   ckpt.close()
 
@@ -78,6 +78,9 @@ def test_read_run_takes_the_examples_and_gamma_from_the_checkpoint(tmp_path):
   assert run.steps == (100, 200, 300, 400) and run.taus == (1.2, 1.35, 1.3, 1.35)
   # The first of equal values is the best (the trainer keeps the first best step).
   assert (run.best_step, run.best_tau, run.converged) == (200, 1.35, True)
+  # Stopped at step 400 of 2,400 with no patience: its best may still rise.
+  assert (run.finished, run.lower_bound, run.status()) == (
+      False, True, "stopped at step 400 of 2,400")
   assert sc.read_run(str(tmp_path / "r"), examples=7).examples == 7
 
   _write_run(tmp_path / "rising", taus_by_step={100: 1.1, 200: 1.2}, max_examples=1_000)
@@ -86,6 +89,19 @@ def test_read_run_takes_the_examples_and_gamma_from_the_checkpoint(tmp_path):
   (in_flight / "params").mkdir(parents=True)
   assert not sc.read_run(str(tmp_path / "rising")).converged
   assert (in_flight / "params").is_dir()
+
+
+def test_a_run_is_finished_by_its_steps_or_its_patience(tmp_path):
+  taus = {100: 1.2, 200: 1.35, 300: 1.3, 400: 1.33}
+  for name, num_steps, patience, status in (("all_steps", 400, 0, "converged"),
+                                            ("patience", 2_400, 2, "converged"),
+                                            ("stopped", 2_400, 3, "stopped at step 400 of 2,400")):
+    _write_run(tmp_path / name, taus_by_step=taus, max_examples=1_000, num_steps=num_steps,
+               patience=patience)
+    run = sc.read_run(str(tmp_path / name))
+    assert (run.patience, run.status(), run.lower_bound) == (
+        patience, status, status != "converged")
+    assert sc.RunCurve.from_json(json.loads(json.dumps(run.to_json()))) == run
 
 
 def test_read_run_errors_name_what_is_wrong(tmp_path):
@@ -112,8 +128,8 @@ def test_command_prints_the_table_and_fit_and_writes_plot_and_json(tmp_path, cap
   assert scaling_cli.main(["--runs", ",".join(runs), "--out", str(out), "--json",
                            str(out_json), "--extrapolate", "100000"]) == 0
   text = capsys.readouterr().out
-  assert "| 1,000 | block_1000 | 400 (600) | 1.250 | no |" in text
-  assert "| 10,000 | block_10000 | 600 (600) | 1.400 | yes |" in text
+  assert "| 1,000 | block_1000 | 400 (600) | 1.250 | converged |" in text
+  assert "| 10,000 | block_10000 | 600 (600) | 1.400 | still rising |" in text
   assert "block_3000: τ was still rising" in text
   assert "| examples | 200 | 400 | 600 |" in text
   assert "| 3,000 | 1.200 | 1.300 |  |" in text
@@ -137,6 +153,42 @@ def test_command_prints_the_table_and_fit_and_writes_plot_and_json(tmp_path, cap
   assert scaling_cli.main(["--runs", runs[0] + "," + str(tmp_path / "elsewhere"),
                            "--held-out", str(held_out)]) == 2
   assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_archived_curves_replace_runs_whose_workdirs_are_gone(tmp_path, capsys):
+  runs = []
+  for n, taus in ((1_000, {200: 1.2, 400: 1.25, 600: 1.22}), (3_000, {200: 1.2, 400: 1.3, 500: 1.28}),
+                  (10_000, {200: 1.2, 400: 1.35, 600: 1.4})):
+    _write_run(tmp_path / f"block_{n}", taus_by_step=taus, max_examples=n, num_steps=600)
+    runs.append(str(tmp_path / f"block_{n}"))
+  held_out = tmp_path / "held_out.json"
+  held_out.write_text(json.dumps(dict(rows=[
+      dict(drafter=f"{r}/best", heads_off="", engine_tau_sd=t)
+      for r, t in zip(runs, (1.21, 1.24, 1.33))])))
+  first, archive = tmp_path / "all.json", tmp_path / "two.json"
+  assert scaling_cli.main(["--runs", ",".join(runs), "--held-out", str(held_out),
+                           "--json", str(first)]) == 0
+  assert scaling_cli.main(["--runs", ",".join(runs[:2]), "--held-out", str(held_out),
+                           "--json", str(archive)]) == 0
+  text = capsys.readouterr().out
+  assert "block_3000: the run stopped at step 500 of 600" in text
+  # The first two runs only from their archive, the third from its workdir: the same curve.
+  again = tmp_path / "again.json"
+  assert scaling_cli.main(["--curves", str(archive), "--runs", runs[2], "--held-out",
+                           str(held_out), "--json", str(again)]) == 0
+  text = capsys.readouterr().out
+  assert "| 3,000 | block_3000 | 400 (500) | 1.300 | stopped at step 500 of 600 | 1.240 |" in text
+  want, got = json.loads(first.read_text()), json.loads(again.read_text())
+  assert sorted(map(tuple, got["points"])) == sorted(map(tuple, want["points"]))
+  assert got["fit"] == pytest.approx(want["fit"])
+  # The points of one curve come from one kind of measurement.
+  assert scaling_cli.main(["--curves", str(archive), "--runs", runs[2]]) == 2
+  assert "mix" in capsys.readouterr().err
+  (tmp_path / "bad.json").write_text(json.dumps(dict(runs=[dict(workdir="x", examples=1)])))
+  assert scaling_cli.main(["--curves", str(tmp_path / "bad.json")]) == 2
+  assert "lacks" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    scaling_cli.main(["--curves", str(archive), "--held-out", str(held_out)])
 
 
 def test_command_refuses_runs_of_different_block_sizes(tmp_path, capsys):

@@ -3,7 +3,8 @@
     python -m train.scaling --runs runs/block_1000,runs/block_3000,runs/block_all \\
         --out scaling.png --extrapolate 100000 --target-tau 2.0
     python -m train.evaluate --drafters runs/block_1000/best,... --json held_out.json
-    python -m train.scaling --runs ... --held-out held_out.json --out scaling.png
+    python -m train.scaling --runs ... --held-out held_out.json --out scaling.png --json curve.json
+    python -m train.scaling --curves curve.json --runs runs/block_30000 --held-out ...
 
 Each run is a `python -m train` workdir of one drafter kind and recipe on a
 different number of training examples (`data.max_examples`, nested subsets:
@@ -12,8 +13,11 @@ trainer measured during training (`metrics.jsonl`, `engine_tau_sd`, every draft
 verified) and the examples from its checkpoint's config (or --examples). Each
 run's point is its best τ, or with --held-out the τ that `python -m train.evaluate
 --json` measured on more prompts for the run's best step (row `drafter` = the
-workdir or WORKDIR/best). A run whose τ was still rising at its last evaluation
-is marked as such: its point is a lower bound.
+workdir or WORKDIR/best). A run whose τ was still rising at its last evaluation,
+or that stopped before its steps and its patience ran out, is marked as such:
+its point is a lower bound. `--json` archives every run's curve and point;
+`--curves` reads such archives back, so a curve outlives the runs' workdirs and
+grows by new runs.
 
 It prints a table of the runs and one of their τ at every evaluated step (data sizes
 compared at equal training), fits logit(α) linear in log10(examples) (α: the per-draft
@@ -35,7 +39,10 @@ import sys
 def _parse(argv):
   p = argparse.ArgumentParser(prog="python -m train.scaling", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--runs", required=True, help="comma-separated `python -m train` workdirs")
+  p.add_argument("--runs", default="", help="comma-separated `python -m train` workdirs")
+  p.add_argument("--curves", default="",
+                 help="comma-separated JSON files an earlier `--json` wrote: their runs join the"
+                      " curve with the points recorded there (runs whose workdirs are gone)")
   p.add_argument("--examples", default="",
                  help="comma-separated training examples of each run (default: each run's"
                       " data.max_examples, or its dataset's size)")
@@ -50,8 +57,11 @@ def _parse(argv):
   p.add_argument("--json", default="", help="write the curves, points and fit here")
   args = p.parse_args(argv)
   args.runs = [r for r in args.runs.split(",") if r]
-  if not args.runs:
-    p.error("--runs names no run")
+  args.curves = [r for r in args.curves.split(",") if r]
+  if not args.runs and not args.curves:
+    p.error("name the runs: --runs WORKDIR,... and / or --curves FILE.json,...")
+  if args.held_out and not args.runs:
+    p.error("--held-out gives the points of --runs; archived curves keep their own")
   if args.examples:
     try:
       args.examples = [int(x) for x in args.examples.split(",")]
@@ -84,6 +94,26 @@ def _held_out_taus(path: str, workdirs: list[str]) -> dict[str, float]:
   return found
 
 
+HELD_OUT = "held-out τ of the best step"
+BEST = "best engine τ"
+
+
+def _archived(paths: list[str], sc) -> list[tuple]:
+  """(curve, point τ, point source) of every run in the `--json` files at `paths`."""
+  from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  found = []
+  for path in paths:
+    try:
+      with open(path) as f:
+        records = json.load(f)["runs"]
+      for r in records:
+        found.append((sc.RunCurve.from_json(r), float(r["point"]), r["point_source"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+      raise ConfigError(f"{path} is not a curve file that `python -m train.scaling --json`"
+                        f" wrote ({type(e).__name__}: {e}).") from None
+  return found
+
+
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
@@ -92,19 +122,34 @@ def main(argv=None) -> int:
 
   try:
     curves = [sc.read_run(w, examples=n) for w, n in zip(args.runs, args.examples)]
+    held_out = _held_out_taus(args.held_out, args.runs) if args.held_out else {}
+    source = HELD_OUT if args.held_out else BEST
+    archived = _archived(args.curves, sc)
+    sources = {s for _, _, s in archived} | ({source} if curves else set())
+    if len(sources) > 1:
+      raise DLoopError(f"The runs' points mix {sorted(sources)}: give the runs --held-out"
+                       " exactly when the archived curves hold held-out points.")
+    source = sources.pop()
+    points = [(c.examples, held_out.get(c.workdir, c.best_tau)) for c in curves]
+    for curve, tau, _ in archived:
+      curves.append(curve)
+      points.append((curve.examples, tau))
+      if source == HELD_OUT:
+        held_out[curve.workdir] = tau
     gammas = {c.gamma for c in curves}
     if len(gammas) != 1:
       raise DLoopError(f"The runs' drafters draft different block sizes {sorted(gammas)}; a"
                        " scaling curve compares one drafter kind and recipe.")
-    held_out = _held_out_taus(args.held_out, args.runs) if args.held_out else None
-    points = [(c.examples, held_out[c.workdir] if held_out else c.best_tau) for c in curves]
     scaling = sc.fit(points, gamma=gammas.pop())
-    print(sc.table(curves, held_out))
+    print(sc.table(curves, held_out or None))
     print("\nengine τ at each evaluated step:\n" + sc.steps_table(curves) + "\n")
-    still_rising = [c for c in curves if not c.converged]
-    for c in still_rising:
-      print(f"note: {c.workdir}: τ was still rising at its last evaluation (step"
-            f" {c.steps[-1]:,}): its point is a lower bound.")
+    for c in curves:
+      if not c.converged:
+        print(f"note: {c.workdir}: τ was still rising at its last evaluation (step"
+              f" {c.steps[-1]:,}): its point is a lower bound.")
+      elif not c.finished:
+        print(f"note: {c.workdir}: the run stopped at step {c.last_step:,} of"
+              f" {c.num_steps:,}, before its patience ran out: its point is a lower bound.")
     at = float(scaling.predict(args.extrapolate))
     need = scaling.examples_for_tau(args.target_tau)
     print(f"fit over {len(points)} points: logit(α) = {scaling.intercept:.3f}"
@@ -114,15 +159,15 @@ def main(argv=None) -> int:
              else f" the fit does not rise, so it never reaches τ {args.target_tau}"))
     if args.out:
       sc.plot(curves, points, scaling, extrapolate_to=args.extrapolate, out=args.out,
-              point_label="held-out τ of the best step" if held_out else "best engine τ")
+              point_label=source)
       print(f"wrote {args.out}")
     if args.json:
       with open(args.json, "w") as f:
         json.dump(dict(
-            runs=[dict(workdir=recorded_path(c.workdir), examples=c.examples, steps=c.steps,
-                       taus=c.taus, best_step=c.best_step, last_step=c.last_step,
-                       converged=c.converged)
-                  for c in curves],
+            runs=[dict(c.to_json(), workdir=recorded_path(c.workdir), best_step=c.best_step,
+                       converged=c.converged, finished=c.finished, point=tau,
+                       point_source=source)
+                  for c, (_, tau) in zip(curves, points)],
             points=points, fit=dict(intercept=scaling.intercept, slope=scaling.slope,
                                     gamma=scaling.gamma),
             extrapolation={str(args.extrapolate): at},

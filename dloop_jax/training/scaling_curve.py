@@ -48,6 +48,8 @@ class RunCurve:
     last_step: the newest logged training step.
     num_steps: the steps the run was configured for (it may stop earlier:
       `eval.patience`).
+    patience: its `eval.patience` (0: none): it stops after this many
+      evaluations without a better τ.
   """
 
   workdir: str
@@ -57,6 +59,7 @@ class RunCurve:
   taus: tuple[float, ...]
   last_step: int
   num_steps: int
+  patience: int = 0
 
   @property
   def best_index(self) -> int:
@@ -75,6 +78,47 @@ class RunCurve:
   def converged(self) -> bool:
     """Whether τ stopped rising before the run ended: its best is not its last evaluation."""
     return self.best_index < len(self.taus) - 1
+
+  @property
+  def finished(self) -> bool:
+    """Whether the run ended: it trained all its steps, or `eval.patience` stopped it."""
+    evals_since_best = len(self.taus) - 1 - self.best_index
+    return (self.last_step >= self.num_steps
+            or bool(self.patience) and evals_since_best >= self.patience)
+
+  @property
+  def lower_bound(self) -> bool:
+    """Whether its best τ may still rise: τ was rising at its last evaluation, or the run
+    stopped before its steps and its patience ran out."""
+    return not self.converged or not self.finished
+
+  def status(self) -> str:
+    if not self.converged:
+      return "still rising"
+    if not self.finished:
+      return f"stopped at step {self.last_step:,} of {self.num_steps:,}"
+    return "converged"
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, record: dict[str, Any]) -> "RunCurve":
+    """The inverse of `to_json`: a curve archived by `python -m train.scaling --json`."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in record]
+    if missing:
+      raise ConfigError(f"An archived run lacks {missing}: pass a file that"
+                        " `python -m train.scaling --json` wrote.")
+    values = {n: record[n] for n in names if n in record}
+    values["steps"] = tuple(int(x) for x in values["steps"])
+    values["taus"] = tuple(float(x) for x in values["taus"])
+    if not values["steps"] or len(values["steps"]) != len(values["taus"]):
+      raise ConfigError(f"The archived run {record.get('workdir')!r} has"
+                        f" {len(values['steps'])} steps and {len(values['taus'])} τ values.")
+    return cls(**values)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -134,7 +178,8 @@ def read_run(workdir: str, *, examples: int | None = None) -> RunCurve:
   steps = [int(r["step"]) for r in rows if "step" in r]
   return RunCurve(workdir=workdir, examples=int(examples), gamma=gamma,
                   steps=tuple(s for s, _ in evals), taus=tuple(t for _, t in evals),
-                  last_step=max(steps), num_steps=int(config.get("num_steps", max(steps))))
+                  last_step=max(steps), num_steps=int(config.get("num_steps", max(steps))),
+                  patience=int(config.get("eval", {}).get("patience") or 0))
 
 
 # ------------------------------------------------------------- acceptance model
@@ -192,13 +237,13 @@ def table(curves: Sequence[RunCurve], held_out: dict[str, float] | None = None) 
   """Markdown: one row per run."""
   held_out = held_out or {}
   head = ("| examples | run | best step (of the last logged) | engine τ at the best step |"
-          " τ still rising at the end | τ, held-out evaluation |")
+          " status | τ, held-out evaluation |")
   lines = [head, "|---|---|---|---|---|---|"]
   for c in sorted(curves, key=lambda c: c.examples):
     extra = held_out.get(c.workdir)
     lines.append(f"| {c.examples:,} | {os.path.basename(os.path.normpath(c.workdir))} |"
                  f" {c.best_step:,} ({c.last_step:,}) | {c.best_tau:.3f} |"
-                 f" {'no' if c.converged else 'yes'} |"
+                 f" {c.status()} |"
                  f" {'' if extra is None else f'{extra:.3f}'} |")
   return "\n".join(lines)
 
@@ -236,12 +281,12 @@ def plot(curves: Sequence[RunCurve], points: Sequence[tuple[int, float]], scalin
   left.legend()
 
   xs = np.array([n for n, _ in points])
-  rising = np.array([not c.converged for c in curves])
+  rising = np.array([c.lower_bound for c in curves])
   taus = np.array([t for _, t in points])
   right.plot(xs[~rising], taus[~rising], "o", color="C0", label=point_label)
   if rising.any():
     right.plot(xs[rising], taus[rising], "o", mfc="none", color="C0",
-               label=point_label + ", still rising (lower bound)")
+               label=point_label + ", run unfinished (lower bound)")
   lo, hi = xs.min(), max(xs.max(), extrapolate_to)
   grid = np.logspace(np.log10(lo), np.log10(xs.max()), 50)
   right.plot(grid, scaling.predict(grid), "-", color="C1", label="fit: logit α linear in log N")
