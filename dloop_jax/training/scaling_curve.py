@@ -286,7 +286,7 @@ def plot(curves: Sequence[RunCurve], points: Sequence[tuple[int, float]], scalin
   right.plot(xs[~rising], taus[~rising], "o", color="C0", label=point_label)
   if rising.any():
     right.plot(xs[rising], taus[rising], "o", mfc="none", color="C0",
-               label=point_label + ", run unfinished (lower bound)")
+               label=point_label + ", may still rise (lower bound)")
   lo, hi = xs.min(), max(xs.max(), extrapolate_to)
   grid = np.logspace(np.log10(lo), np.log10(xs.max()), 50)
   right.plot(grid, scaling.predict(grid), "-", color="C1", label="fit: logit α linear in log N")
