@@ -98,9 +98,10 @@ HELD_OUT = "held-out τ of the best step"
 BEST = "best engine τ"
 
 
-def _archived(paths: list[str], sc) -> list[tuple]:
+def _archived(paths: list[str]) -> list[tuple]:
   """(curve, point τ, point source) of every run in the `--json` files at `paths`."""
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import scaling_curve as sc  # pylint: disable=g-import-not-at-top
   found = []
   for path in paths:
     try:
@@ -124,24 +125,21 @@ def main(argv=None) -> int:
     curves = [sc.read_run(w, examples=n) for w, n in zip(args.runs, args.examples)]
     held_out = _held_out_taus(args.held_out, args.runs) if args.held_out else {}
     source = HELD_OUT if args.held_out else BEST
-    archived = _archived(args.curves, sc)
+    archived = _archived(args.curves)
     sources = {s for _, _, s in archived} | ({source} if curves else set())
     if len(sources) > 1:
       raise DLoopError(f"The runs' points mix {sorted(sources)}: give the runs --held-out"
                        " exactly when the archived curves hold held-out points.")
     source = sources.pop()
     points = [(c.examples, held_out.get(c.workdir, c.best_tau)) for c in curves]
-    for curve, tau, _ in archived:
-      curves.append(curve)
-      points.append((curve.examples, tau))
-      if source == HELD_OUT:
-        held_out[curve.workdir] = tau
+    curves += [curve for curve, _, _ in archived]
+    points += [(curve.examples, tau) for curve, tau, _ in archived]
     gammas = {c.gamma for c in curves}
     if len(gammas) != 1:
       raise DLoopError(f"The runs' drafters draft different block sizes {sorted(gammas)}; a"
                        " scaling curve compares one drafter kind and recipe.")
     scaling = sc.fit(points, gamma=gammas.pop())
-    print(sc.table(curves, held_out or None))
+    print(sc.table(curves, [tau for _, tau in points] if source == HELD_OUT else None))
     print("\nengine τ at each evaluated step:\n" + sc.steps_table(curves) + "\n")
     for c in curves:
       if not c.converged:

@@ -233,14 +233,13 @@ def fit(points: Iterable[tuple[int, float]], *, gamma: int) -> ScalingFit:
 
 
 # ------------------------------------------------------------------ reporting
-def table(curves: Sequence[RunCurve], held_out: dict[str, float] | None = None) -> str:
-  """Markdown: one row per run."""
-  held_out = held_out or {}
+def table(curves: Sequence[RunCurve], held_out: Sequence[float] | None = None) -> str:
+  """Markdown: one row per run; `held_out`: each run's held-out τ, in the order of `curves`."""
+  held_out = list(held_out) if held_out is not None else [None] * len(curves)
   head = ("| examples | run | best step (of the last logged) | engine τ at the best step |"
           " status | τ, held-out evaluation |")
   lines = [head, "|---|---|---|---|---|---|"]
-  for c in sorted(curves, key=lambda c: c.examples):
-    extra = held_out.get(c.workdir)
+  for c, extra in sorted(zip(curves, held_out), key=lambda pair: pair[0].examples):
     lines.append(f"| {c.examples:,} | {os.path.basename(os.path.normpath(c.workdir))} |"
                  f" {c.best_step:,} ({c.last_step:,}) | {c.best_tau:.3f} |"
                  f" {c.status()} |"
