@@ -575,15 +575,22 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
   edit_config(path, hidden_size=D, vocab_size=128)
   with pytest.raises(DrafterMismatchError, match="vocab_size: checkpoint has 128, target has 64"):
     load()
-  edit_config(path, vocab_size=V, rope_theta=500000.0)
-  with pytest.raises(DrafterMismatchError, match="rope_theta"):
+  edit_config(path, vocab_size=V, rms_norm_eps=1e-3)
+  with pytest.raises(DrafterMismatchError, match="rms_norm_eps: checkpoint has 0.001"):
     load()
+  # The drafter's own RoPE is its config's (tests/test_upstream_parity.py), never a mismatch.
+  edit_config(path, rms_norm_eps=EPS, rope_theta=500000.0)
+  assert load().spec.rope_theta == 500000.0
   edit_config(path, rope_theta=THETA, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})
   with pytest.raises(DrafterMismatchError, match=r"tapped layers \[9\]"):
     load()
   edit_config(path, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})
   with pytest.raises(CheckpointFormatError, match="fc.weight reads 3 hidden states"):
     load()
+  edit_config(path, eagle_config=None, fc_norm=True)
+  with pytest.raises(CheckpointFormatError, match="fc_norm"):
+    load()
+  edit_config(path, fc_norm=False)
   edit_config(path, eagle_config=None, architectures=["FancyDraftModel"], draft_vocab_size=None)
   with pytest.raises(CheckpointFormatError, match="FancyDraftModel"):
     load()

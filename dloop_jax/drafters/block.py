@@ -214,7 +214,7 @@ class BlockDrafter(Drafter):
     return rms_norm(hidden, self.ctx_norm[...], self.eps)
 
   def _angles(self, positions: jax.Array):
-    inv = layers.inverse_frequencies(self.target_config, self.spec.head_dim)
+    inv = layers.drafter_inverse_frequencies(self.spec, self.target_config)
     return rope_lib.rope_angles(positions, inv)
 
   def context_kv_rows(self) -> jax.Array:

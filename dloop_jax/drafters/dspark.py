@@ -20,7 +20,9 @@ rank-r bias runs left to right (a gather of r values and a V x r product per
 draft); the backbone still runs once per stage.
 
 Confidence head. c_k = sigmoid(w . [z_k ; W1[x_{k-1}]] + b), with z_k the
-final-norm hidden state the LM head reads: the drafter's estimate of the
+final-norm hidden state the LM head reads (DeepSpec's
+`confidence_head_with_markov`; without it, or without a Markov head,
+c_k = sigmoid(w . z_k + b)): the drafter's estimate of the
 probability that draft k is accepted given the drafts before it are. It is
 trained toward 1 - 1/2 ||p_draft - p_target||_1 (that acceptance probability
 under the sampling rule) and returned as `DraftStage.confidence`: the
@@ -88,7 +90,7 @@ class DSparkDrafter(BlockDrafter):
     else:
       self.markov_w1 = self.markov_w2 = None
     if spec.enable_confidence_head:
-      self.confidence_proj = nnx.Param(jnp.zeros((1, d + r), dtype))
+      self.confidence_proj = nnx.Param(jnp.zeros((1, d + self.confidence_rank), dtype))
       self.confidence_bias = nnx.Param(jnp.zeros((1,), dtype))
     else:
       self.confidence_proj = self.confidence_bias = None
@@ -96,6 +98,11 @@ class DSparkDrafter(BlockDrafter):
   @property
   def has_confidence(self) -> bool:
     return self.confidence_proj is not None
+
+  @property
+  def confidence_rank(self) -> int:
+    """Width of the Markov embedding the confidence head reads (0: the hidden state alone)."""
+    return self.spec.markov_rank if self.spec.confidence_head_with_markov else 0
 
   # ------------------------------------------------------------------ heads
   def markov_bias(self, prev: jax.Array, *, rows: jax.Array | None = None) -> jax.Array:
@@ -124,7 +131,7 @@ class DSparkDrafter(BlockDrafter):
       raise ValueError("This DSpark drafter has no confidence head"
                        " (enable_confidence_head=False).")
     z = rms_norm(hidden, self.final_norm[...], self.eps)
-    if self.markov_w1 is not None:
+    if self.confidence_rank:
       z = jnp.concatenate([z, jnp.take(self.markov_w1[...], prev, axis=0).astype(z.dtype)], -1)
     w = self.confidence_proj[...][0]
     return (z @ w + self.confidence_bias[...][0]).astype(jnp.float32)

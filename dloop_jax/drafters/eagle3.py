@@ -11,6 +11,11 @@ its own hidden state g_p, which predicts token_{p+2}:
                                                                          the feature)
     g_p       = h + MLP(RMSNorm(h))                                     [D]
     logits    = RMSNorm(g_p) @ lm_head                                  [Vd]
+                (g_p @ lm_head with `norm_output` off, as SpecForge allows)
+
+The layer rotates q and k with the drafter's own RoPE when its spec has one
+(`rope_theta`, `rope_scaling`: upstream EAGLE-3 drafters rotate with theta
+10000 and no scaling whatever the target does), else with the target's.
 
 The token embedding is the target's (frozen); the LM head is the drafter's own
 (trained, initialised from the target's head) over a reduced draft vocabulary
@@ -167,7 +172,7 @@ class Eagle3Drafter(Drafter):
 
   def draft_logits(self, hidden: jax.Array) -> jax.Array:
     """Own hidden [..., D] -> f32 logits over the draft vocabulary [..., Vd]."""
-    x = rms_norm(hidden, self.final_norm[...], self.eps)
+    x = rms_norm(hidden, self.final_norm[...], self.eps) if self.spec.norm_output else hidden
     return f32_dot_general(x, self.lm_head[...], (((x.ndim - 1,), (0,)), ((), ())))
 
   def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
@@ -191,8 +196,8 @@ class Eagle3Drafter(Drafter):
     if self.q_norm is not None:
       q = rms_norm(q, self.q_norm[...], self.eps)
       k = rms_norm(k, self.k_norm[...], self.eps)
-    cos, sin = rope_lib.rope_angles(positions, layers.inverse_frequencies(
-        self.target_config, s.head_dim))
+    cos, sin = rope_lib.rope_angles(positions, layers.drafter_inverse_frequencies(
+        s, self.target_config))
     return rope_lib.apply_rope(q, cos, sin), rope_lib.apply_rope(k, cos, sin), v
 
   def _finish(self, feature: jax.Array, attn_out: jax.Array) -> jax.Array:

@@ -32,6 +32,15 @@ def inverse_frequencies(target_config: TransformerConfig, head_dim: int) -> np.n
   return rope_lib.inverse_frequencies(dataclasses.replace(target_config, head_dim=head_dim))
 
 
+def drafter_inverse_frequencies(spec, target_config: TransformerConfig) -> np.ndarray:
+  """A drafter's RoPE: its own (`spec.rope_theta`, `spec.rope_scaling`) when it has one,
+  else the target's, at the drafter's head dimension."""
+  if spec.rope_theta is None:
+    return inverse_frequencies(target_config, spec.head_dim)
+  return rope_lib.inverse_frequencies_of(head_dim=spec.head_dim, rope_theta=spec.rope_theta,
+                                         rope_scaling=spec.rope_scaling)
+
+
 def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, dense=dense) -> jax.Array:
   """Llama MLP with fused gate/up: x [..., D] -> [..., D] (`dense` products; for matrices
   held out-major, `transformer.dense_out_major`)."""

@@ -21,6 +21,13 @@ A drafter config is a flat dict (or ConfigDict):
     gru_hidden_size    domino: prefix GRU width (default: a quarter of the hidden size, as
                        Domino's 1024 for 4096-wide targets)
     correction_rank    domino: correction MLP width (default 256, at most the hidden size)
+    rope_theta, rope_scaling
+                       the drafter's own RoPE (theta, Llama-3 scaling dict or None);
+                       default: none of its own, it rotates as the target does
+    norm_output        eagle3: the LM head reads the final-normed state (default True)
+    confidence_head_with_markov
+                       dspark: the confidence head also reads the Markov embedding of
+                       the previous token (default True)
 
 dspark and domino are trained over the full vocabulary (their heads' output
 weights are [V, r]); `with_draft_vocab` restricts a trained one afterwards.
@@ -54,15 +61,16 @@ from dloop_jax.drafters.block import BlockDrafter
 from dloop_jax.drafters.eagle3 import Eagle3Drafter
 from dloop_jax.drafters.domino import DominoDrafter
 from dloop_jax.drafters.dspark import DSparkDrafter
-from dloop_jax.drafters.spec import BLOCK_KINDS, HEAD_KEYS, KINDS, DrafterSpec
+from dloop_jax.drafters.spec import BLOCK_KINDS, HEAD_KEYS, KINDS, OPTIONAL_KEYS, DrafterSpec
 from dloop_jax.errors import ConfigError
-from dloop_jax.models.config import TransformerConfig, default_taps
+from dloop_jax.models import rope as rope_lib
+from dloop_jax.models.config import RopeScaling, TransformerConfig, default_taps
 
 # EAGLE-3 reduces vocabularies above this size to it (Llama-3: 128k -> 32k).
 DEFAULT_DRAFT_VOCAB = 8192
 _KEYS = ("kind", "block_size", "taps", "num_layers", "num_heads", "num_kv_heads", "head_dim",
          "intermediate_size", "draft_vocab_size", "qk_norm", "mask_token_id") + tuple(
-             k for keys in HEAD_KEYS.values() for k in keys)
+             k for keys in HEAD_KEYS.values() for k in keys) + tuple(OPTIONAL_KEYS)
 # DSpark ships block 7 and r = 256 (DeepSpec); Domino r = 256 (its paper).
 HEAD_RANK = 256
 
@@ -108,6 +116,8 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
     raise ConfigError(f"Drafter config needs kind in {KINDS}, got {kind!r}.")
   foreign = sorted(k for other, keys in HEAD_KEYS.items() if other != kind for k in keys
                    if k in given)
+  foreign += sorted(k for k, (default, kinds) in OPTIONAL_KEYS.items()
+                    if kind not in kinds and given.get(k, default) != default)
   if foreign:
     raise ConfigError(f"Drafter config keys {foreign} do not apply to kind {kind!r}.")
   unknown = sorted(set(given) - set(_KEYS))
@@ -163,11 +173,34 @@ def resolve_config(config: Mapping[str, Any] | Any, target_config: TransformerCo
       else:
         heads[key] = bool(merged[key])
   return DrafterSpec(
-      kind=kind, block_size=int(merged["block_size"]), taps=taps,
+      kind=kind, block_size=int(merged["block_size"]), taps=taps, **_optional(given),
       num_layers=int(merged["num_layers"]), num_heads=int(merged["num_heads"]),
       num_kv_heads=int(merged["num_kv_heads"]), head_dim=int(merged["head_dim"]),
       intermediate_size=int(merged["intermediate_size"]), draft_vocab_size=int(vd),
       qk_norm=bool(merged["qk_norm"]), mask_token_id=mask_id, **heads)
+
+
+def _optional(given: Mapping[str, Any]) -> dict[str, Any]:
+  """The `OPTIONAL_KEYS` of a config, validated (absent: their defaults)."""
+  out = {k: given.get(k, default) for k, (default, _) in OPTIONAL_KEYS.items()}
+  for key in ("norm_output", "confidence_head_with_markov"):
+    out[key] = bool(out[key])
+  theta, scaling = out["rope_theta"], out["rope_scaling"]
+  if theta is None:
+    if scaling is not None:
+      raise ConfigError("rope_scaling needs rope_theta: a drafter with its own RoPE states both"
+                        " (rope_theta None means the target's RoPE, scaling included).")
+    return out
+  if isinstance(theta, bool) or not isinstance(theta, (int, float, np.number)) or theta <= 1:
+    raise ConfigError(f"rope_theta must be a number > 1 (or None: the target's RoPE), got"
+                      f" {theta!r}.")
+  out["rope_theta"] = float(theta)
+  if scaling is not None and not isinstance(scaling, RopeScaling):
+    if not isinstance(scaling, Mapping):
+      raise ConfigError(f"rope_scaling must be a dict (config.json's) or None, got {scaling!r}.")
+    scaling = rope_lib.scaling_from_dict(scaling)
+  out["rope_scaling"] = scaling
+  return out
 
 
 def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,

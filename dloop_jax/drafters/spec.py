@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dloop_jax.models.config import RopeScaling
+
 KINDS = ("eagle3", "block", "dspark", "domino")
 
 # Keys only some kinds have: (kind, key) pairs; `to_dict` leaves the others out,
@@ -15,6 +17,15 @@ HEAD_KEYS = {
 }
 # Block-family keys (the drafters built on `BlockDrafter`).
 BLOCK_KINDS = ("block", "dspark", "domino")
+# Keys `to_dict` writes only away from their defaults (the configs and exports
+# of drafters that keep them are those of before the keys), and the kinds they
+# apply to.
+OPTIONAL_KEYS = {
+    "rope_theta": (None, KINDS),
+    "rope_scaling": (None, KINDS),
+    "norm_output": (True, ("eagle3",)),
+    "confidence_head_with_markov": (True, ("dspark",)),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +50,14 @@ class DrafterSpec:
     enable_confidence_head: DSpark: learn a per-draft acceptance estimate.
     gru_hidden_size: Domino: width G of the prefix GRU.
     correction_rank: Domino: width r of the correction MLP.
+    rope_theta: the drafter's own RoPE base; None = it rotates as the target
+      does (theta and scaling: the drafters trained here).
+    rope_scaling: the drafter's own Llama-3 scaling (with `rope_theta` set;
+      None = no scaling).
+    norm_output: EAGLE-3: the LM head reads the final-normed hidden state
+      (SpecForge's `norm_output: false` feeds it the raw one).
+    confidence_head_with_markov: DSpark: the confidence head also reads the
+      Markov head's embedding of the previous token ([1, H + r]; False: [1, H]).
   """
 
   kind: str
@@ -56,6 +75,10 @@ class DrafterSpec:
   enable_confidence_head: bool = False
   gru_hidden_size: int = 0
   correction_rank: int = 0
+  rope_theta: float | None = None
+  rope_scaling: RopeScaling | None = None
+  norm_output: bool = True
+  confidence_head_with_markov: bool = True
 
   @property
   def q_size(self) -> int:
@@ -74,4 +97,14 @@ class DrafterSpec:
           del d[key]
     if self.mask_token_id is None:
       del d["mask_token_id"]  # learned mask: the configs (and exports) of before the key
+    for key, (default, _) in OPTIONAL_KEYS.items():
+      if d[key] == default:
+        del d[key]
+    if self.rope_scaling is not None:
+      d["rope_scaling"] = dict(rope_type="llama3", **dataclasses.asdict(self.rope_scaling))
     return d
+
+  @property
+  def own_rope(self) -> bool:
+    """Whether the drafter rotates with its own settings rather than the target's."""
+    return self.rope_theta is not None

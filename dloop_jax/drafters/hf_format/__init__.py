@@ -13,13 +13,15 @@ read into our drafters and written from them (so SGLang / vLLM can serve ours):
 `write.py` writes ours, `common.py` holds what they share (PyTorch [out, in]
 matrices vs our [in, out], fused q/k/v and gate/up, the fit checks).
 
-Our drafters take the target's RoPE (theta, scaling) and RMSNorm epsilon, so a
-checkpoint must agree with the target on those. What our drafters cannot
-represent is refused with `CheckpointFormatError` saying why: EAGLE-3 variants
-with q/k norms or biases (DeepSpec's, `attention_bias`), DFlash-2, taps of the
-input embeddings (DSpark's -1), Markov heads other than "vanilla", Domino
-without shifted labels or with a longer pure-draft prefix, and (writing) a
-learned mask vector in the block family (a draft vocabulary is left out with a
+A checkpoint's drafter rotates with the RoPE of its own config.json (theta
+10000 when absent, as upstream: EAGLE-3 drafters of Llama-3.1 carry neither
+theta nor scaling), not the target's; it must agree with the target on widths,
+vocabulary and RMSNorm epsilon. What our drafters cannot represent is refused
+with `CheckpointFormatError` saying why: EAGLE-3 variants with q/k norms,
+biases or per-tap norms (DeepSpec's, `attention_bias`, `fc_norm`), DFlash-2,
+taps of the input embeddings (DSpark's -1), Markov heads other than "vanilla",
+Domino without shifted labels or with another pure-draft prefix, and
+(writing) a learned mask vector in the block family (a draft vocabulary is left out with a
 warning: no layout holds one, and no block-family weight depends on it).
 """
 

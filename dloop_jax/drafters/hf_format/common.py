@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 
 from dloop_jax.errors import CheckpointFormatError, DrafterMismatchError, ModelLoadError
 from dloop_jax.models import hf_loader
+from dloop_jax.models import rope as rope_lib
 from dloop_jax.models.config import TransformerConfig
 
 CONFIG_FILE = "config.json"
@@ -130,17 +131,32 @@ def check_fits(pairs: list[tuple[str, Any, Any]], taps: list[int], target: Trans
 
 def common_pairs(hf: Mapping[str, Any], c: TransformerConfig,
                   target: TransformerConfig) -> list[tuple[str, Any, Any]]:
-  """(field, checkpoint, target) pairs that must agree for every layout."""
+  """(field, checkpoint, target) pairs that must agree for every layout.
+
+  RoPE is not among them: a drafter rotates with its own settings (`drafter_rope`).
+  """
   pairs = [("hidden_size", c.hidden_size, target.hidden_size),
            ("vocab_size", c.vocab_size, target.vocab_size),
-           ("rope_theta", c.rope_theta, target.rope_theta),
-           ("rope_scaling", c.rope_scaling, target.rope_scaling),
            ("rms_norm_eps", c.rms_norm_eps, target.rms_norm_eps)]
   # Our own exports also record the target's depth, which the layouts do not.
   mine = dict((hf.get(META_KEY) or {}).get("target_fingerprint") or {})
   if "num_layers" in mine:
     pairs.append(("target num_layers", mine["num_layers"], target.num_layers))
   return pairs
+
+
+def drafter_rope(c: TransformerConfig, target: TransformerConfig) -> dict[str, Any]:
+  """The RoPE keys of our drafter config for a checkpoint's parsed config.json.
+
+  A checkpoint's drafter rotates with its own config's settings, as the
+  upstream code does: theta 10000 when config.json has no rope_theta (EAGLE-3
+  drafters of Llama-3.1 carry neither theta nor scaling, whatever the target's).
+  Settings equal to the target's are left implicit (none of its own), so a
+  drafter of ours reads back exactly as it was written.
+  """
+  if c.rope_theta == target.rope_theta and c.rope_scaling == target.rope_scaling:
+    return {}
+  return dict(rope_theta=float(c.rope_theta), rope_scaling=rope_lib.scaling_to_dict(c.rope_scaling))
 
 
 def check_fc(tensors: Mapping[str, np.ndarray], taps: list[int], d: int, *, source: str) -> None:
@@ -192,18 +208,22 @@ def split_layer(w: Mapping[str, np.ndarray], prefix: str, spec) -> dict[str, np.
 
 
 def base_config(tc: TransformerConfig, spec, *, num_layers: int) -> dict[str, Any]:
+  """The config.json keys every layout shares, the drafter's RoPE written out in full.
+
+  A drafter without RoPE of its own rotates as the target does: its export
+  states the target's theta and scaling, since readers take a missing
+  rope_theta for 10000.
+  """
+  theta, scaling = ((tc.rope_theta, tc.rope_scaling) if spec.rope_theta is None
+                    else (spec.rope_theta, spec.rope_scaling))
   out = dict(hidden_size=tc.hidden_size, intermediate_size=spec.intermediate_size,
              num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
              head_dim=spec.head_dim, num_hidden_layers=num_layers, vocab_size=tc.vocab_size,
-             rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
+             rms_norm_eps=tc.rms_norm_eps, rope_theta=float(theta),
              max_position_embeddings=tc.max_position_embeddings, hidden_act="silu",
              tie_word_embeddings=False, attention_bias=False)
-  if tc.rope_scaling is not None:
-    rs = tc.rope_scaling
-    out["rope_scaling"] = dict(rope_type="llama3", factor=rs.factor,
-                               low_freq_factor=rs.low_freq_factor,
-                               high_freq_factor=rs.high_freq_factor,
-                               original_max_position_embeddings=rs.original_max_position_embeddings)
+  if scaling is not None:
+    out["rope_scaling"] = rope_lib.scaling_to_dict(scaling)
   return out
 
 

@@ -4,6 +4,9 @@
              dflash_config {mask_token_id, target_layer_ids}
     weights  fc, hidden_norm, layers.{i}.* (q/k norms), norm
 
+The drafter rotates with its config's RoPE (rope_theta, rope_scaling), as
+DFlash's rotary embedding is built from the drafter's config.
+
 A tap is the output of a 0-based decoder layer (default
 `round(1 + i (L - 4) / (n - 1))`). DFlash's block is [anchor, mask x (B - 1)]
 with the mask token embedded by the target's embedding: our drafters read it
@@ -124,7 +127,7 @@ def read_backbone(hf, tensors, target, *, source: str, what: str, min_block: int
   # The mask input is the mask token's row of the target's embedding, as DFlash feeds it.
   config = dict(taps=taps, num_layers=nl, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                 head_dim=c.head_dim, intermediate_size=c.intermediate_size, draft_vocab_size=0,
-                qk_norm=True, mask_token_id=int(mask_id))
+                qk_norm=True, mask_token_id=int(mask_id), **common.drafter_rope(c, tc))
   return config, params, t
 
 
@@ -179,7 +182,9 @@ def backbone_layout(drafter, dtype, *, what: str
                     p + "self_attn.q_norm.weight": w["q_norm"][i],
                     p + "self_attn.k_norm.weight": w["k_norm"][i]})
   config = common.base_config(tc, s, num_layers=s.num_layers)
-  config.update(model_type="qwen3", num_target_layers=tc.num_layers)
+  # SpecForge's DFlash reads one attention type per layer (all full attention here).
+  config.update(model_type="qwen3", num_target_layers=tc.num_layers,
+                layer_types=["full_attention"] * s.num_layers)
   return config, tensors, int(mask_id)
 
 

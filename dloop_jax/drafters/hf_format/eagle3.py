@@ -4,6 +4,11 @@
              eagle_config.eagle_aux_hidden_state_layer_ids (taps)
     weights  fc, midlayer.* (or vLLM's layers.0.*), norm, lm_head, d2t, t2d
 
+The drafter rotates with its config's RoPE (theta 10000 when absent, as the
+upstream code: SafeAILab's and SpecForge's drafters for Llama-3.1 carry neither
+rope_theta nor rope_scaling), not the target's. SpecForge's `norm_output: false`
+(the head reads the un-normed state) is read and written.
+
 EAGLE-3's `d2t` holds offsets (target_id = draft_id + d2t[draft_id]) and `t2d`
 a [V] bool mask; ours hold the target ids and draft ids (-1 outside). Default
 taps: `default_taps`.
@@ -32,6 +37,9 @@ def read(hf, tensors, target, *, source):
                                 f" says num_hidden_layers={hf['num_hidden_layers']}.")
   if hf.get("attention_bias") or hf.get("mlp_bias"):
     raise CheckpointFormatError(f"{source}: EAGLE-3 layers with biases are not supported.")
+  if hf.get("fc_norm"):
+    raise CheckpointFormatError(f"{source}: fc_norm (an RMSNorm per tap before fc, SpecForge's"
+                                " option) is not supported by our EAGLE-3 drafter.")
   eagle = dict(hf.get("eagle_config") or {})
   taps = [int(x) for x in eagle.get("eagle_aux_hidden_state_layer_ids")
           or default_taps(tc.num_layers)]
@@ -80,7 +88,8 @@ def read(hf, tensors, target, *, source):
   config = dict(kind="eagle3", block_size=int(meta.get("block_size", _DEFAULT_BLOCK)),
                 taps=taps, num_layers=1, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                 head_dim=c.head_dim, intermediate_size=c.intermediate_size,
-                draft_vocab_size=vd if vd < v else 0, qk_norm=False)
+                draft_vocab_size=vd if vd < v else 0, qk_norm=False,
+                norm_output=bool(hf.get("norm_output", True)), **common.drafter_rope(c, tc))
   return config, params, model_state, embed
 
 
@@ -110,4 +119,6 @@ def layout(drafter, dtype) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
                 draft_vocab_size=vd, target_hidden_size=tc.hidden_size,
                 eagle_config={"eagle_aux_hidden_state_layer_ids": list(drafter.taps)})
+  if not s.norm_output:
+    config["norm_output"] = False
   return config, tensors
