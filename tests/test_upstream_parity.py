@@ -305,3 +305,164 @@ def test_reference_llama31_layout_decodes_losslessly(llama31, tmp_path):
                  schedule="off")
   assert out.tokens == ar.tokens
   assert out.total.verified == out.total.drafted > 0
+
+
+# -------------------------------------------------------- DFlash family
+DFLASH_TAPS = [1, 3, 5]
+BLOCK = 5  # the upstream block: the anchor and 4 masks
+MASK_ID = V - 1
+
+
+def _block_config(target_family: str, arch: str, *, own_rope: bool = False,
+                  **dflash) -> Qwen3Config:
+  """A drafter config as z-lab / SpecForge write them: Qwen3 layers, the target's RoPE copied
+  (`own_rope`: theta 10000 of its own instead)."""
+  rope = (dict(rope_theta=500000.0, rope_scaling=dict(LLAMA31_ROPE)) if target_family == "llama31"
+          else dict(rope_theta=1000000.0))
+  if own_rope:
+    rope = dict(rope_theta=10000.0)
+  return Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=FF, num_hidden_layers=2,
+                     num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
+                     rms_norm_eps=EPS, max_position_embeddings=128, tie_word_embeddings=False,
+                     architectures=[arch], block_size=BLOCK, num_target_layers=L,
+                     dflash_config=dict(mask_token_id=MASK_ID, target_layer_ids=DFLASH_TAPS,
+                                        **dflash), **rope)
+
+
+def _f32_stage_hidden(drafter, state, gamma):
+  """A stage's outputs [B, gamma, D] with the f32 parameters (a generation drafts with 16-bit
+  copies of the layers, `BlockDrafter.draft_layer_dtype`: compared as drafts only)."""
+  n = state.lengths
+  x = drafter.stage_inputs(state.anchor, gamma)[:, None]
+  positions = (n[:, None] + jnp.arange(x.shape[2])[None, :])[:, None]
+  ctx_mask = (jnp.arange(state.k.shape[2])[None, :] < n[:, None])[:, None]
+  return drafter.run_blocks(x, positions=positions, ctx_k=state.k, ctx_v=state.v,
+                            ctx_mask=ctx_mask)[:, 0, -gamma:]
+
+
+@nnx.jit(static_argnums=3)
+def _block_program(drafter, features, next_tokens, gamma):
+  """Block drafter: the logits of a stage's block [gamma, V] and its greedy drafts."""
+  state = _commit(drafter, features, next_tokens)
+  h = _f32_stage_hidden(drafter, state, gamma)
+  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=gamma, sampling=GREEDY)
+  return drafter.draft_logits(h)[0], stage.tokens[0]
+
+
+@nnx.jit(static_argnums=3)
+def _domino_program(drafter, features, next_tokens, gamma):
+  """Domino: corrected logits given the drafts before each position [gamma, V], greedy drafts."""
+  state = _commit(drafter, features, next_tokens)
+  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=gamma, sampling=GREEDY)
+  h = _f32_stage_hidden(drafter, state, gamma)
+  prev = jnp.concatenate([state.anchor[:, None], stage.tokens[:, :-1]], axis=1)
+  _, logits = drafter.corrected_logits(h, prev)
+  return logits[0], stage.tokens[0]
+
+
+def _block_upstream(model, target: Target, features: np.ndarray, anchor: int):
+  """One upstream block forward over the committed context: [anchor, mask x (B - 1)] at
+  positions N .. N + B - 1, the context's keys at 0 .. N - 1, non-causal (as in
+  `dflash_generate` / `spec_generate`). Returns the normed outputs [B, D]."""
+  with torch.no_grad():
+    block = torch.as_tensor([[anchor] + [MASK_ID] * (BLOCK - 1)])
+    noise = target.hf.model.embed_tokens(block)
+    ctx = torch.as_tensor(features).reshape(1, len(features), -1)
+    out = model(position_ids=torch.arange(len(features) + BLOCK)[None], noise_embedding=noise,
+                target_hidden=ctx, is_causal=False)
+  return out
+
+
+def _dflash_compare(target: Target, drafter, model, *, seed: int):
+  """DFlash: drafts = the target's head over outputs 1 .. B - 1 (each its own position)."""
+  prompt = _prompt(seed)
+  features = target.taps(prompt, DFLASH_TAPS)
+  anchor = target.greedy_next(prompt)
+  hidden = _block_upstream(model, target, features, anchor)[:, 1:]
+  with torch.no_grad():
+    want_logits = target.hf.lm_head(hidden)[0].numpy()
+  logits, got = _block_program(drafter, jnp.asarray(features),
+                               jnp.asarray(prompt[1:] + [anchor], jnp.int32), BLOCK - 1)
+  np.testing.assert_allclose(np.asarray(logits), want_logits, **TOL)
+  assert np.asarray(got).tolist() == want_logits.argmax(-1).tolist()
+
+
+UPSTREAM_DFLASH = {"zlab": zlab_dflash.DFlashDraftModel, "specforge": SFDFlash}
+
+
+@pytest.mark.parametrize("family,upstream,own_rope", [("qwen3", "zlab", False),
+                                                     ("llama31", "specforge", False),
+                                                     ("llama31", "zlab", True)])
+def test_upstream_dflash_loads_into_ours(request, tmp_path, family, upstream, own_rope):
+  target = request.getfixturevalue(family)
+  model = UPSTREAM_DFLASH[upstream](_block_config(family, "DFlashDraftModel", own_rope=own_rope))
+  _randomize(model, seed=31)
+  model.eval().save_pretrained(str(tmp_path / "up"))
+  drafter = drafter_io.load_drafter(str(tmp_path / "up"), target=target.ours)
+  # Its RoPE is its config's: the target's as z-lab's drafters copy it (none of its own), or
+  # its own.
+  assert drafter.spec.rope_theta == (10000.0 if own_rope else None)
+  assert list(drafter.taps) == DFLASH_TAPS
+  _dflash_compare(target, drafter, model, seed=32)
+
+
+@pytest.mark.parametrize("upstream", ["zlab", "specforge"])
+def test_our_block_drafter_loads_into_upstream_dflash(qwen3, tmp_path, upstream):
+  drafter = build_drafter({"kind": "block", "num_layers": 2, "num_heads": HEADS,
+                           "num_kv_heads": KV, "head_dim": HD, "intermediate_size": FF,
+                           "taps": DFLASH_TAPS, "mask_token_id": MASK_ID,
+                           "block_size": BLOCK - 1}, target=qwen3.ours, rngs=nnx.Rngs(33))
+  drafter.wo[...] = drafter.wo[...] * 4.0
+  path = drafter_io.export_drafter(drafter, tmp_path / "ours", format="hf")
+  model = UPSTREAM_DFLASH[upstream].from_pretrained(path).eval()
+  _dflash_compare(qwen3, drafter, model, seed=34)
+
+
+DOMINO = dict(projector_type="domino", emb_dim=24, gru_hidden_dim=16, pure_draft_prefix_len=1,
+              shift_label=True)
+
+
+def _domino_compare(target: Target, drafter, model, *, seed: int):
+  """Domino (shifted): SpecForge's sampling loop drafts B - 1 tokens from outputs 0 .. B - 2
+  with its GRU correction; ours drafts B, the first B - 1 compared with the logits behind them."""
+  prompt = _prompt(seed)
+  features = target.taps(prompt, DFLASH_TAPS)
+  anchor = target.greedy_next(prompt)
+  hidden = _block_upstream(model, target, features, anchor)
+  block = torch.as_tensor([[anchor] + [MASK_ID] * (BLOCK - 1)])
+  with torch.no_grad():
+    drafts = model._sample_draft_tokens(target.hf, hidden, block)  # pylint: disable=protected-access
+    completed = torch.cat([block[:, :1], drafts], dim=1)
+    want_logits = model.apply_logits_head(
+        target.hf.lm_head(hidden)[:, None],
+        prev_token_embeddings=target.hf.model.embed_tokens(completed)[:, None],
+        hidden_states=hidden[:, None])[0, 0, :BLOCK - 1].numpy()
+  logits, got = _domino_program(drafter, jnp.asarray(features),
+                                jnp.asarray(prompt[1:] + [anchor], jnp.int32), BLOCK)
+  np.testing.assert_allclose(np.asarray(logits)[:BLOCK - 1], want_logits, **TOL)
+  assert np.asarray(got).tolist()[:BLOCK - 1] == drafts[0].tolist()
+
+
+def test_specforge_domino_loads_into_ours(qwen3, tmp_path):
+  model = SFDomino(_block_config("qwen3", "DominoDraftModel", **DOMINO))
+  _randomize(model, seed=41)
+  model.eval().save_pretrained(str(tmp_path / "up"))
+  with open(tmp_path / "up" / "config.json") as f:
+    assert "emb_dim" not in json.load(f)  # SpecForge keeps it in dflash_config only
+  drafter = drafter_io.load_drafter(str(tmp_path / "up"), target=qwen3.ours)
+  assert drafter.spec.correction_rank == 24 and drafter.spec.gru_hidden_size == 16
+  _domino_compare(qwen3, drafter, model, seed=42)
+
+
+def test_our_domino_export_loads_into_specforge(qwen3, tmp_path):
+  drafter = build_drafter({"kind": "domino", "num_layers": 2, "num_heads": HEADS,
+                           "num_kv_heads": KV, "head_dim": HD, "intermediate_size": FF,
+                           "taps": DFLASH_TAPS, "mask_token_id": MASK_ID, "block_size": BLOCK,
+                           "gru_hidden_size": 16, "correction_rank": 24},
+                          target=qwen3.ours, rngs=nnx.Rngs(43))
+  drafter.correction_w2[...] = 0.5 * jax.random.normal(jax.random.key(1),
+                                                        drafter.correction_w2[...].shape)
+  path = drafter_io.export_drafter(drafter, tmp_path / "ours", format="hf")
+  model = _specforge_load(path)
+  assert isinstance(model, SFDomino) and model.shift_label and model.pure_draft_prefix_len == 1
+  _domino_compare(qwen3, drafter, model, seed=44)
