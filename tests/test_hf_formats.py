@@ -142,22 +142,28 @@ def dflash_checkpoint(path, *, layers: int = 2, block_size: int = 5, mask_token_
 
 
 def dspark_checkpoint(path, target, *, block_size: int = 4, mask_token_id: int = 62,
-                      taps=(0, 1, 3), rank: int = 8, seed: int = 0, **config_overrides):
+                      taps=(0, 1, 3), rank: int = 8, seed: int = 0, with_markov: bool = True,
+                      **config_overrides):
   """Writes a DSpark drafter as DeepSpec does (frozen copies of the target's embedding and
-  head included); returns (dir, tensors)."""
+  head included; `deepspec/modeling/dspark/qwen3/config.py` and `modeling.py`: the fields its
+  model asserts, a confidence head over [z ; W1[prev]] or, without `with_markov`, z alone);
+  returns (dir, tensors)."""
   gen = torch.Generator().manual_seed(seed)
   tensors, config = _backbone(gen, layers=2, taps=taps)
   tensors.update({
       "markov_head.markov_w1.weight": 0.5 * torch.randn(V, rank, generator=gen),
       "markov_head.markov_w2.weight": 0.5 * torch.randn(V, rank, generator=gen),
-      "confidence_head.proj.weight": 0.3 * torch.randn(1, D + rank, generator=gen),
+      "confidence_head.proj.weight": 0.3 * torch.randn(1, D + (rank if with_markov else 0),
+                                                       generator=gen),
       "confidence_head.proj.bias": 0.1 * torch.randn(1, generator=gen),
       "embed_tokens.weight": torch.as_tensor(np.array(target.embed[...])),
       "lm_head.weight": torch.as_tensor(np.array(target.lm_head[...])).T.contiguous(),
   })
   config.update(architectures=["Qwen3DSparkModel"], block_size=block_size,
                 mask_token_id=mask_token_id, target_layer_ids=list(taps), markov_rank=rank,
-                markov_head_type="vanilla", enable_confidence_head=True)
+                markov_head_type="vanilla", enable_confidence_head=True,
+                confidence_head_with_markov=with_markov, num_anchors=512,
+                layer_types=["full_attention"] * 2)
   config.update(config_overrides)
   return _save(path, config, tensors, fmt="safetensors"), tensors
 
@@ -295,8 +301,9 @@ def dspark_reference(w, *, features, anchor, block_size, mask_token_id):
   prev, logits, tokens, conf = anchor, [], [], []
   for k in range(block_size):
     lg = base[k] + F.linear(w1[prev], w2)
-    c = torch.sigmoid(F.linear(torch.cat([z[k], w1[prev]]), w["confidence_head.proj.weight"],
-                               w["confidence_head.proj.bias"]))
+    proj = w["confidence_head.proj.weight"]
+    feats = torch.cat([z[k], w1[prev]]) if proj.shape[1] > z.shape[1] else z[k]
+    c = torch.sigmoid(F.linear(feats, proj, w["confidence_head.proj.bias"]))
     prev = int(lg.argmax())
     logits.append(lg)
     tokens.append(prev)
@@ -747,12 +754,15 @@ def _stage(drafter, features, next_tokens):
   return np.asarray(stage.tokens), np.asarray(stage.logprobs)
 
 
-def test_dspark_checkpoint_matches_reference_forward(target, tmp_path):
-  path, w = dspark_checkpoint(tmp_path / "dspark", target, block_size=4, mask_token_id=62)
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_dspark_checkpoint_matches_reference_forward(target, tmp_path, with_markov):
+  path, w = dspark_checkpoint(tmp_path / "dspark", target, block_size=4, mask_token_id=62,
+                              with_markov=with_markov)
   drafter = drafter_io.load_drafter(path, target=target)
   drafter.draft_layer_dtype = None  # the reference computes in f32 (drafting reads bf16)
   assert drafter.spec.kind == "dspark" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
   assert drafter.spec.markov_rank == 8 and drafter.spec.enable_confidence_head
+  assert drafter.spec.confidence_head_with_markov is with_markov
   features = _features(5, 6, 3)
   next_tokens = np.random.default_rng(3).integers(0, V, 6)
   want_logits, want_tokens, want_conf = dspark_reference(
@@ -781,15 +791,27 @@ def test_domino_checkpoint_matches_reference_forward(target, tmp_path):
   assert tokens == want_tokens
 
 
-@pytest.mark.parametrize("kind", ["dspark", "domino"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark_plain_confidence", "domino"])
 def test_head_drafters_round_trip_through_their_layouts(target, tmp_path, kind):
-  if kind == "dspark":
-    source, _ = dspark_checkpoint(tmp_path / "source", target, seed=2)
+  if kind.startswith("dspark"):
+    source, _ = dspark_checkpoint(tmp_path / "source", target, seed=2,
+                                  with_markov=kind == "dspark")
   else:
     source, _ = domino_checkpoint(tmp_path / "source", seed=2)
   drafter = drafter_io.load_drafter(source, target=target)
   path = drafter_io.export_drafter(drafter, tmp_path / "hf", format="hf")
-  assert hf_format.detect_kind(json.load(open(os.path.join(path, "config.json")))) == kind
+  config = json.load(open(os.path.join(path, "config.json")))
+  assert hf_format.detect_kind(config) == kind.split("_")[0]
+  assert config["layer_types"] == ["full_attention"] * 2
+  if kind.startswith("dspark"):
+    # Every field DeepSpec's Qwen3DSparkModel asserts.
+    for key in ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head",
+                "markov_rank", "markov_head_type"):
+      assert key in config, key
+    assert config["confidence_head_with_markov"] is (kind == "dspark")
+  else:
+    # SpecForge reads emb_dim in dflash_config, Domino's files at the top level.
+    assert config["dflash_config"]["emb_dim"] == config["emb_dim"] == 10
   loaded = _written_back_exactly(source, path, target)
   _assert_same_weights(drafter, loaded)
   assert loaded.spec == drafter.spec
@@ -823,6 +845,18 @@ def test_head_drafter_checkpoints_we_cannot_use(target, tmp_path):
     load(path)
   path, _ = domino_checkpoint(tmp_path / "d", pure_draft_prefix_len=2)
   with pytest.raises(CheckpointFormatError, match="pure_draft_prefix_len=2"):
+    load(path)
+  # Without the keys SpecForge reads 0 / unshifted: not ours, and said so.
+  path, _ = domino_checkpoint(tmp_path / "d2", pure_draft_prefix_len=None, shift_label=None)
+  cfg = json.load(open(os.path.join(path, "config.json")))
+  cfg["dflash_config"] = {k: v for k, v in cfg["dflash_config"].items() if v is not None}
+  json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+  with pytest.raises(CheckpointFormatError,
+                     match="pure_draft_prefix_len=0, shift_label=False .* set them"):
+    load(path)
+  path, _ = dspark_checkpoint(tmp_path / "f", target, confidence_head_with_markov=True,
+                              markov_rank=0)
+  with pytest.raises(CheckpointFormatError, match="no Markov head"):
     load(path)
   path, w = domino_checkpoint(tmp_path / "e")
   w["prefix_gru.bias_ih_l0"] = torch.zeros(36)

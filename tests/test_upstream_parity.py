@@ -466,3 +466,15 @@ def test_our_domino_export_loads_into_specforge(qwen3, tmp_path):
   model = _specforge_load(path)
   assert isinstance(model, SFDomino) and model.shift_label and model.pure_draft_prefix_len == 1
   _domino_compare(qwen3, drafter, model, seed=44)
+
+
+def test_specforge_dspark_is_refused_with_the_reason(qwen3, tmp_path):
+  """SpecForge's DSparkDraftModel is another layout than DeepSpec's (which ours reads)."""
+  from specforge.modeling.draft.dspark import DSparkDraftModel  # pylint: disable=g-import-not-at-top
+  from dloop_jax.errors import CheckpointFormatError  # pylint: disable=g-import-not-at-top
+
+  model = DSparkDraftModel(_block_config("qwen3", "DSparkDraftModel", markov_rank=8,
+                                         enable_confidence_head=True))
+  model.save_pretrained(str(tmp_path / "up"))
+  with pytest.raises(CheckpointFormatError, match="DSparkDraftModel.*unshifted"):
+    drafter_io.load_drafter(str(tmp_path / "up"), target=qwen3.ours)

@@ -21,6 +21,9 @@ _SUPPORTED = "EAGLE-3, DFlash, DSpark and Domino drafters"
 _UNSUPPORTED = {
     "Qwen3Eagle3Model": "DeepSpec's EAGLE-3 has q/k norms, 5 taps and its own embedding layout",
     "DFlash2DraftModel": "DFlash-2 adds dynamic convolutions and a candidate selector",
+    "DSparkDraftModel": "SpecForge's DSpark drafts unshifted blocks (B - 1 drafts, DFlash's"
+                        " convention) with its heads configured in dflash_config; ours reads"
+                        " DeepSpec's shifted Qwen3DSparkModel",
 }
 
 
