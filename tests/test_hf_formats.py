@@ -132,7 +132,7 @@ def _backbone(gen, *, layers: int, taps) -> tuple[dict, dict]:
 
 
 def dflash_checkpoint(path, *, layers: int = 2, block_size: int = 5, mask_token_id: int = 63,
-                      taps=(0, 1, 3), seed: int = 0, **config_overrides):
+                      taps=(0, 1, 2), seed: int = 0, **config_overrides):
   """Writes a DFlash drafter as z-lab does; returns (dir, tensors)."""
   tensors, config = _backbone(torch.Generator().manual_seed(seed), layers=layers, taps=taps)
   config.update(architectures=["DFlashDraftModel"], block_size=block_size,
@@ -142,7 +142,7 @@ def dflash_checkpoint(path, *, layers: int = 2, block_size: int = 5, mask_token_
 
 
 def dspark_checkpoint(path, target, *, block_size: int = 4, mask_token_id: int = 62,
-                      taps=(0, 1, 3), rank: int = 8, seed: int = 0, with_markov: bool = True,
+                      taps=(0, 1, 2), rank: int = 8, seed: int = 0, with_markov: bool = True,
                       **config_overrides):
   """Writes a DSpark drafter as DeepSpec does (frozen copies of the target's embedding and
   head included; `deepspec/modeling/dspark/qwen3/config.py` and `modeling.py`: the fields its
@@ -168,7 +168,7 @@ def dspark_checkpoint(path, target, *, block_size: int = 4, mask_token_id: int =
   return _save(path, config, tensors, fmt="safetensors"), tensors
 
 
-def domino_checkpoint(path, *, block_size: int = 4, mask_token_id: int = 61, taps=(0, 1, 3),
+def domino_checkpoint(path, *, block_size: int = 4, mask_token_id: int = 61, taps=(0, 1, 2),
                       gru: int = 12, rank: int = 10, prefix: str = "", seed: int = 0,
                       **options):
   """Writes a Domino drafter as Domino / SpecForge do; returns (dir, tensors without prefix)."""
@@ -482,7 +482,7 @@ def test_eagle3_default_taps_and_own_embedding(target, tmp_path):
 def test_dflash_checkpoint_matches_reference_forward(target, tmp_path):
   path, w = dflash_checkpoint(tmp_path / "dflash", block_size=5, mask_token_id=63)
   drafter = drafter_io.load_drafter(path, target=target)
-  assert drafter.spec.kind == "block" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
+  assert drafter.spec.kind == "block" and drafter.block_size == 4 and drafter.taps == (0, 1, 2)
   # DFlash's mask: the token's frozen embedding, not a parameter.
   assert drafter.spec.mask_token_id == 63 and drafter.mask_embed is None
   np.testing.assert_array_equal(np.asarray(drafter.mask_input()),
@@ -532,7 +532,7 @@ def test_block_round_trip_through_the_dflash_layout(target, tmp_path):
     config = json.load(f)
   assert config["architectures"] == ["DFlashDraftModel"]
   assert config["dflash_config"]["mask_token_id"] == 11 and config["block_size"] == 5
-  assert config["dflash_config"]["target_layer_ids"] == [0, 1, 3]
+  assert config["dflash_config"]["target_layer_ids"] == [0, 1, 2]
   loaded = _written_back_exactly(source, path, target)
   _assert_same_weights(drafter, loaded)
   assert loaded.spec == drafter.spec
@@ -632,17 +632,20 @@ def test_mismatched_and_broken_checkpoints(target, tmp_path):
   with pytest.raises(ModelLoadError, match="no model.safetensors"):
     drafter_io.load_drafter(broken, target=target)
 
-  dpath, _ = dflash_checkpoint(tmp_path / "d", taps=(0, 1, 3))
+  dpath, _ = dflash_checkpoint(tmp_path / "last", taps=(0, 1, 3))
+  with pytest.raises(CheckpointFormatError, match=r"tap the target's last layer \(3\)"):
+    drafter_io.load_drafter(dpath, target=target)
+  dpath, _ = dflash_checkpoint(tmp_path / "d", taps=(0, 1, 2))
   edit_config(dpath, num_target_layers=36)
   with pytest.raises(DrafterMismatchError,
                      match="num_target_layers: checkpoint has 36, target has 4"):
     drafter_io.load_drafter(dpath, target=target)
   edit_config(dpath, num_target_layers=L, dflash_config={"mask_token_id": 63,
-                                                          "target_layer_ids": [0, 1, 3],
+                                                          "target_layer_ids": [0, 1, 2],
                                                           "shift_label": True})
   with pytest.raises(CheckpointFormatError, match="shift_label"):
     drafter_io.load_drafter(dpath, target=target)
-  edit_config(dpath, dflash_config={"mask_token_id": 63, "target_layer_ids": [0, 1, 3],
+  edit_config(dpath, dflash_config={"mask_token_id": 63, "target_layer_ids": [0, 1, 2],
                                     "input_embedding_scale": 8.0})
   with pytest.raises(CheckpointFormatError, match="input_embedding_scale"):
     drafter_io.load_drafter(dpath, target=target)
@@ -760,7 +763,7 @@ def test_dspark_checkpoint_matches_reference_forward(target, tmp_path, with_mark
                               with_markov=with_markov)
   drafter = drafter_io.load_drafter(path, target=target)
   drafter.draft_layer_dtype = None  # the reference computes in f32 (drafting reads bf16)
-  assert drafter.spec.kind == "dspark" and drafter.block_size == 4 and drafter.taps == (0, 1, 3)
+  assert drafter.spec.kind == "dspark" and drafter.block_size == 4 and drafter.taps == (0, 1, 2)
   assert drafter.spec.markov_rank == 8 and drafter.spec.enable_confidence_head
   assert drafter.spec.confidence_head_with_markov is with_markov
   features = _features(5, 6, 3)
@@ -832,7 +835,7 @@ def test_head_drafter_checkpoints_we_cannot_use(target, tmp_path):
   def load(path):
     return drafter_io.load_drafter(path, target=target)
 
-  path, _ = dspark_checkpoint(tmp_path / "a", target, target_layer_ids=[-1, 1, 3])
+  path, _ = dspark_checkpoint(tmp_path / "a", target, target_layer_ids=[-1, 1, 2])
   with pytest.raises(CheckpointFormatError, match="input embeddings"):
     load(path)
   path, _ = dspark_checkpoint(tmp_path / "b", target, markov_head_type="gated")

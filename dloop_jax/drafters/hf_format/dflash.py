@@ -8,11 +8,13 @@ The drafter rotates with its config's RoPE (rope_theta, rope_scaling), as
 DFlash's rotary embedding is built from the drafter's config.
 
 A tap is the output of a 0-based decoder layer (default
-`round(1 + i (L - 4) / (n - 1))`). DFlash's block is [anchor, mask x (B - 1)]
-with the mask token embedded by the target's embedding: our drafters read it
-the same way (`mask_token_id` in their config, no mask parameter), and our stage
-size gamma is B - 1 (each output predicts the token at its own position in
-both). A drafter with a learned mask vector is written only when that vector is
+`round(1 + i (L - 4) / (n - 1))`), upstream transformers' `hidden_states[id + 1]`:
+the same as our target's taps except for the last layer, whose transformers
+state is after the final norm (refused when read, warned about when written).
+DFlash's block is [anchor, mask x (B - 1)] with the mask token embedded by the
+target's embedding: our drafters read it the same way (`mask_token_id` in their
+config, no mask parameter), and our stage size gamma is B - 1 (each output
+predicts the token at its own position in both). A drafter with a learned mask vector is written only when that vector is
 a row of the target's embedding (the id of that row is written).
 """
 
@@ -98,6 +100,12 @@ def read_backbone(hf, tensors, target, *, source: str, what: str, min_block: int
     raise CheckpointFormatError(
         f"{source}: target_layer_ids {taps} tap the input embeddings (-1); our targets expose"
         " decoder-layer outputs only (ids 0 .. L - 1).")
+  if tc.num_layers - 1 in taps:
+    raise CheckpointFormatError(
+        f"{source}: target_layer_ids {taps} tap the target's last layer ({tc.num_layers - 1}),"
+        " which the upstream code reads from transformers' hidden_states after the final norm;"
+        " our target taps are decoder-layer outputs before it, so this drafter would read other"
+        " features than it was trained on.")
   common.check_fc(tensors, taps, d, source=source)
   pairs = common.common_pairs(hf, c, tc)
   if "num_target_layers" in hf:
@@ -154,6 +162,11 @@ def backbone_layout(drafter, dtype, *, what: str
     warnings.warn(f"The {what} layout has no draft vocabulary: the drafter is written to draft"
                   f" over the target's whole head, not its {s.draft_vocab_size} draft ids"
                   " (its weights do not depend on them).", stacklevel=2)
+  if tc.num_layers - 1 in drafter.taps:
+    warnings.warn(f"This drafter taps the target's last layer ({tc.num_layers - 1}) before the"
+                  f" final norm; the {what} code upstream reads that layer's features after it"
+                  " (transformers' last hidden state), so other readers feed it other features.",
+                  stacklevel=2)
   if not s.qk_norm:
     raise CheckpointFormatError(f"This drafter has no q/k norms; {what} layers always apply them"
                                 " (train it with qk_norm=True).")
