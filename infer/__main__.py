@@ -1,6 +1,9 @@
 """`python -m infer`: generate with a target model (and a drafter) from the command line.
 
-    python -m infer --prompt "What is 2 + 2?"     # dloop, bf16 weights, forwards 5 tokens wide
+    python -m infer --prompt "What is 2 + 2?"     # dloop with this machine's profile
+    python -m infer --mode ar --prompt "..."      # the exact reference of the same options
+    python -m infer --profile gpu               # an accelerator's defaults (runs on a CPU too)
+    python -m infer --weights bf16              # every forward 5 tokens wide (cpu profile)
     python -m infer --weights f32 --fixed-width 0   # f32 weights, forwards as wide as needed
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
@@ -19,35 +22,23 @@ import math
 import sys
 
 
-# With bf16 weights every mode runs at this width by default: greedy outputs of
-# ar, sd and dloop then agree bit for bit (docs/decoding.md), at about the cost
-# of 1-token forwards (docs/benchmarks.md).
-DEFAULT_FIXED_WIDTH = 5
-DEFAULT_MAX_STAGES = 3
+def _precision(args) -> tuple[str | None, str | None]:
+  """(dtype, weights) to load the target with; None: the profile's.
 
-
-def _decoding_shape(args, *, mode: str,
-                    drafter_block_size: int | None) -> tuple[int, int | None, int]:
-  """(fixed width, block size, max stages) from the flags and their defaults.
-
-  Unset, the fixed width is DEFAULT_FIXED_WIDTH for bf16 weights and chains
-  (0 with an explicit --schedule cost, which verifies prefixes of the drafts);
-  dloop then drafts the loop that width verifies whole
-  (`arguments.loop_shape_for_width`: 2 stages of 2 at W = 5) unless
-  --block-size / --max-stages say otherwise (sd: the drafter's gamma).
+  Draft trees and --schedule cost verify at free widths, which reproduce
+  --mode ar exactly only with f32 weights: unless --weights / --dtype say
+  otherwise (or --allow-inexact), they load f32 weights.
   """
-  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
-
-  width = args.fixed_width
-  max_stages = DEFAULT_MAX_STAGES if args.max_stages is None else args.max_stages
-  if width is None:
-    chains = not args.tree_budget and args.schedule != "cost"
-    width = DEFAULT_FIXED_WIDTH if args.weights == "bf16" and chains else 0
-    if width and mode == "dloop" and args.block_size is None and args.max_stages is None:
-      gamma, stages = arguments.loop_shape_for_width(
-          width, drafter_block_size=drafter_block_size, max_stages=DEFAULT_MAX_STAGES)
-      return width, gamma, stages
-  return width, args.block_size, max_stages
+  free_widths = args.tree_budget or args.schedule == "cost" or args.fixed_width == 0
+  if (args.dtype is None and args.weights is None and free_widths
+      and not args.allow_inexact):
+    from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
+    if profiles.resolve(args.profile).weights != "f32":
+      print("note: free verification widths (--tree-budget, --schedule cost or --fixed-width"
+            " 0) reproduce --mode ar exactly with f32 weights only: loading f32 weights"
+            " (--weights bf16 --allow-inexact to keep 16-bit ones).", file=sys.stderr)
+    return "float32", "f32"
+  return args.dtype, args.weights
 
 
 def _parse(argv):
@@ -69,21 +60,27 @@ def _parse(argv):
   p.add_argument("--drafter", help="drafter name, exported drafter directory, or an EAGLE-3 /"
                                     " DFlash / DSpark / Domino checkpoint directory in its Hugging Face layout"
                                     " (default: the best drafter shipped for the target)")
+  p.add_argument("--profile", choices=("cpu", "gpu", "tpu"), default=None,
+                 help="the hardware defaults (weights, dtype, forward width): default this"
+                      " backend's; every profile runs on every backend (docs/decoding.md)")
   p.add_argument("--block-size", type=int, default=None,
-                 help="gamma: drafts per stage (default: the drafter's; dloop at the default"
-                      " fixed width: 2)")
+                 help="gamma: drafts per stage (default: the drafter's; dloop at a fixed"
+                      " width: what it verifies whole, 2 at width 5)")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
   p.add_argument("--max-stages", type=int, default=None,
-                 help="S_max: stages per verification (default 3; dloop at the default fixed"
-                      " width: 2)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                 help="the target's compute dtype (activations, KV cache): float32 on CPU,"
-                      " bfloat16 on accelerators (logits and acceptance stay f32)")
-  p.add_argument("--weights", choices=("f32", "bf16"), default="bf16",
-                 help="storage of the target's weight matrices (default bf16: products in f32"
-                      " from bf16 operands, the fastest measured on CPU and accelerators,"
-                      " docs/benchmarks.md); f32 with --dtype float32 for full-precision weights;"
-                      " --dtype bfloat16 needs bf16 (docs/scaling.md)")
+                 help="S_max: stages per verification (default 3; dloop at a fixed width: what"
+                      " it verifies whole, 2 at width 5)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                 help="the target's compute dtype (activations, KV cache; logits and acceptance"
+                      " stay f32). Default: the profile's (float32 on CPU, bfloat16 on"
+                      " accelerators)")
+  p.add_argument("--weights", choices=("f32", "bf16"), default=None,
+                 help="storage of the target's weight matrices. Default: the profile's (bf16"
+                      " on accelerators and CPUs with AMX, f32 on other CPUs; f32 with trees"
+                      " and free widths); --dtype bfloat16 needs bf16 (docs/scaling.md)")
+  p.add_argument("--allow-inexact", action="store_true",
+                 help="run 16-bit weights at free widths (trees, --schedule cost), whose greedy"
+                      " output equals --mode ar only up to 16-bit rounding")
   p.add_argument("--mesh", default=None,
                  help="decode on a device mesh, e.g. data=2,tensor=4: prompts in batches"
                       " of data rows, the target's weights and KV heads split over tensor"
@@ -109,8 +106,8 @@ def _parse(argv):
                       " padded, every draft verified; W >= 1 + S_max * gamma): every mode's"
                       " greedy output then equals --mode ar --fixed-width W bit for bit, bf16"
                       " weights included (docs/decoding.md); 0: each forward as wide as its"
-                      f" tokens. Default: {DEFAULT_FIXED_WIDTH} with bf16 weights and chains"
-                      " (a forward of 5 tokens costs about one of 1 with them), else 0")
+                      " tokens. Default: the profile's width (cpu 5, gpu / tpu 16) with 16-bit"
+                      " weights and chains, else 0")
   p.add_argument("--costs", default=None,
                  help="JSON cost table to schedule with (default: $DLOOP_COSTS, else the"
                       " cached table of the target, measured on first use; see"
@@ -140,7 +137,9 @@ def main(argv=None) -> int:
     if args.mesh:
       from dloop_jax.models import sharding  # pylint: disable=g-import-not-at-top
       mesh = sharding.inference_mesh(args.mesh)
-    target = load_target(args.target, dtype=args.dtype, weights=args.weights, mesh=mesh)
+    dtype, weights = _precision(args)
+    target = load_target(args.target, dtype=dtype, weights=weights, mesh=mesh,
+                         profile=args.profile)
     if mesh is not None:
       print(sharding.describe(target.config, target.model.layout), file=sys.stderr)
     tok = target.tokenizer
@@ -152,8 +151,6 @@ def main(argv=None) -> int:
       if name:
         drafter = drafter_io.load_drafter(name, target=target.model)
     mode = args.mode or ("dloop" if drafter is not None else "ar")
-    fixed_width, block_size, max_stages = _decoding_shape(
-        args, mode=mode, drafter_block_size=getattr(drafter, "block_size", None))
     if mode != "ar" and drafter is None:
       raise DLoopError(
           f"mode {mode!r} needs a drafter, and no drafter is available for target"
@@ -177,22 +174,28 @@ def main(argv=None) -> int:
       batch = encoded[start:start + rows_per_call]
       out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
                      max_new_tokens=args.max_new_tokens, mode=mode,
-                     drafter=drafter, block_size=block_size, gate=args.gate,
-                     max_stages=max_stages, sampling=sampling, seed=args.seed,
-                     stop_tokens=stop, schedule=args.schedule, costs=args.costs,
-                     draft_backoff=args.draft_backoff, tree_budget=args.tree_budget,
-                     confidence=args.confidence, fixed_width=fixed_width)
+                     drafter=drafter, block_size=args.block_size, gate=args.gate,
+                     max_stages=args.max_stages, sampling=sampling, seed=args.seed,
+                     stop_tokens=stop, schedule=args.schedule if mode != "ar" else None,
+                     costs=args.costs, draft_backoff=args.draft_backoff,
+                     tree_budget=args.tree_budget if mode != "ar" else 0,
+                     confidence=args.confidence, fixed_width=args.fixed_width,
+                     profile=args.profile, allow_inexact=args.allow_inexact)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
-                fixed_width=fixed_width, drafter=drafter, tok=tok)
+                drafter=drafter, tok=tok, target=target.model)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
 
 
-def _report(args, *, text, ids, out, index, mode, fixed_width, drafter, tok) -> None:
+def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
   """Prints one prompt's answer (and its statistics) from a `GenerationOutput` row."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  fixed_width = out.fixed_width
+  weights = "bf16" if np.dtype(target.weight_dtype).itemsize == 2 else "f32"
+  dtype = str(np.dtype(target.dtype))
   new = out.tokens[index]
   answer = tok.decode(new, skip_special_tokens=True)
   row = out.rows[index]
@@ -208,13 +211,13 @@ def _report(args, *, text, ids, out, index, mode, fixed_width, drafter, tok) -> 
                schedule=out.schedule, tree_budget=args.tree_budget or None,
                drafted=row.drafted,
                verified=row.verified, plain_rounds=row.plain_rounds,
-               dtype=args.dtype, weights=args.weights, fixed_width=fixed_width or None,
+               dtype=dtype, weights=weights, fixed_width=fixed_width,
                mesh=args.mesh)
     print(json.dumps(rec), flush=True)
   else:
     print(answer)
     tps = row.new_tokens / out.seconds if out.seconds else math.nan
-    shape = f"{mode}, {args.weights} weights" + (f", width {fixed_width}" if fixed_width else "")
+    shape = f"{mode}, {weights} weights" + (f", width {fixed_width}" if fixed_width else "")
     print(f"[{shape}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
           f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
           + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"

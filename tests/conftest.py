@@ -16,6 +16,14 @@ import sys
 # tests start (training, data builds, command-line errors on tiny targets)
 # inherits the tiny-program flags.
 _REAL_MODEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# The suite runs on the CPU whatever the machine has ($DLOOP_TEST_PLATFORMS,
+# e.g. "cuda", asks otherwise): on a GPU machine several test processes would
+# each claim most of the GPU's memory. Where a test process does use an
+# accelerator, it allocates what it needs instead of preallocating.
+os.environ["JAX_PLATFORMS"] = os.environ.get("DLOOP_TEST_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Defaults follow the backend's profile (`dloop_jax.profiles`), not the caller's.
+os.environ.pop("DLOOP_PROFILE", None)
 os.environ.setdefault("XLA_FLAGS",
                       _REAL_MODEL_XLA_FLAGS + " --xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("DLOOP_TEST_REAL_MODEL_XLA_FLAGS", _REAL_MODEL_XLA_FLAGS)

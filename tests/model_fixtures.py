@@ -143,7 +143,7 @@ def real_pair() -> tuple[LoadedTarget, transformers.PreTrainedModel]:
   The reference runs in f32 with eager attention on transformers' own
   dequantization of the GGUF weights.
   """
-  target = load_target(REAL_MODEL)
+  target = load_target(REAL_MODEL, dtype="float32")
   folder, name = os.path.split(target.source)
   with fast_gguf_reads():
     reference = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,31 +1,115 @@
-"""`python -m infer`'s decoding shape: bf16 weights, every forward 5 tokens wide by default."""
+"""Defaults: backend profiles, the decoding shape they give, and the command line's precision."""
 
 from __future__ import annotations
 
+import types
+
+import jax.numpy as jnp
 import pytest
 
+from dloop_jax import profiles
 from dloop_jax.decoding import arguments
 from dloop_jax.errors import ConfigError
-from infer.__main__ import DEFAULT_FIXED_WIDTH, _decoding_shape, _parse
+from infer.__main__ import _parse, _precision
 
 
-@pytest.mark.parametrize("argv,mode,want", [
-    # Default: bf16 weights at the fixed width; dloop fits it with 2 stages of 2.
-    ([], "dloop", (DEFAULT_FIXED_WIDTH, 2, 2)),
-    ([], "sd", (DEFAULT_FIXED_WIDTH, None, 3)),  # the drafter's gamma
-    ([], "ar", (DEFAULT_FIXED_WIDTH, None, 3)),  # ar at the same width: the same tokens
-    # The user's gamma / S_max are kept (a verification too wide for W is generate()'s error).
-    (["--max-stages", "1"], "dloop", (DEFAULT_FIXED_WIDTH, None, 1)),
-    (["--block-size", "4"], "dloop", (DEFAULT_FIXED_WIDTH, 4, 3)),
-    # No fixed width: f32 weights, trees, an explicit cost schedule, or asked for.
-    (["--weights", "f32"], "dloop", (0, None, 3)),
-    (["--tree-budget", "8"], "dloop", (0, None, 3)),
-    (["--schedule", "cost"], "dloop", (0, None, 3)),
-    (["--fixed-width", "0"], "dloop", (0, None, 3)),
-    (["--fixed-width", "9", "--block-size", "4", "--max-stages", "2"], "dloop", (9, 4, 2)),
+def _target(weights=jnp.float32, dtype=jnp.float32):
+  return types.SimpleNamespace(weight_dtype=jnp.dtype(weights), dtype=jnp.dtype(dtype))
+
+
+DRAFTER = types.SimpleNamespace(block_size=4)
+BF16 = _target(jnp.bfloat16)
+
+
+def _shape(target, mode, profile="cpu", **options):
+  kwargs = dict(block_size=None, max_stages=None, schedule=None, fixed_width=None,
+                tree_budget=0)
+  kwargs.update(options)
+  got = arguments.resolve_shape(target=target, mode=mode,
+                                drafter=DRAFTER if mode != "ar" else None, profile=profile,
+                                **kwargs)
+  return got.fixed_width, got.block_size, got.max_stages, got.schedule
+
+
+@pytest.mark.parametrize("mode,options,want", [
+    # A 16-bit target at the profile's width; dloop fits it with 2 stages of 2.
+    ("dloop", {}, (5, 2, 2, "off")),
+    ("sd", {}, (5, 4, 1, "off")),  # the drafter's gamma fits 5
+    ("ar", {}, (5, None, 3, "off")),  # ar at the same width: the same tokens
+    # The user's gamma / S_max widen the width, in every mode alike.
+    ("dloop", {"max_stages": 1}, (5, 4, 1, "off")),
+    ("dloop", {"block_size": 4}, (13, 4, 3, "off")),
+    ("ar", {"block_size": 4}, (13, 4, 3, "off")),
+    ("dloop", {"block_size": 4, "max_stages": 2}, (9, 4, 2, "off")),
+    ("ar", {"block_size": 4, "max_stages": 2}, (9, 4, 2, "off")),
+    # Free widths where asked for: trees, an explicit cost schedule, width 0.
+    ("dloop", {"tree_budget": 8}, (0, 4, 3, "off")),
+    ("dloop", {"schedule": "cost"}, (0, 4, 3, "cost")),
+    ("dloop", {"fixed_width": 0}, (0, 4, 3, "cost")),
+    ("dloop", {"fixed_width": 9, "block_size": 4, "max_stages": 2}, (9, 4, 2, "off")),
 ])
-def test_decoding_shape(argv, mode, want):
-  assert _decoding_shape(_parse(argv), mode=mode, drafter_block_size=4) == want
+def test_decoding_shape_of_a_16_bit_target(mode, options, want):
+  assert _shape(BF16, mode, **options) == want
+
+
+def test_accelerator_profiles_run_16_bit_targets_at_their_own_width():
+  assert _shape(BF16, "dloop", profile="gpu") == (16, 4, 3, "off")
+  assert _shape(BF16, "ar", profile="tpu") == (16, None, 3, "off")
+  assert _shape(_target(jnp.bfloat16, jnp.bfloat16), "sd", profile="gpu") == (16, 4, 1, "off")
+
+
+def test_f32_targets_run_at_free_widths():
+  assert _shape(_target(), "dloop") == (0, 4, 3, "cost")
+  assert _shape(_target(), "dloop", profile="gpu") == (0, 4, 3, "cost")
+  assert _shape(_target(), "dloop", tree_budget=8) == (0, 4, 3, "off")
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"tree_budget": 8, "fixed_width": 0}, "tree_budget=8 with a 16-bit target"),
+    ({"fixed_width": 0, "tree_budget": 0}, "Free verification widths"),
+])
+def test_16_bit_targets_at_free_widths_are_refused(options, match):
+  with pytest.raises(ConfigError, match=match):
+    arguments.validate_exactness(target=BF16, mode="dloop", allow_inexact=False, **options)
+  for mode, target, allow in [("ar", BF16, False), ("dloop", BF16, True),
+                              ("dloop", _target(), False)]:
+    arguments.validate_exactness(target=target, mode=mode, allow_inexact=allow, **options)
+
+
+def test_profiles_resolve_by_name_backend_and_environment(monkeypatch):
+  assert profiles.resolve("gpu").dtype == "bfloat16"
+  assert profiles.resolve("tpu").weights == "bf16"
+  cpu = profiles.resolve("cpu")
+  assert cpu.dtype == "float32"
+  assert cpu.weights == ("bf16" if profiles.cpu_has_amx() else "f32")
+  monkeypatch.delenv("DLOOP_PROFILE", raising=False)
+  assert profiles.resolve().name == "cpu"  # the tests run on the CPU backend
+  monkeypatch.setenv("DLOOP_PROFILE", "gpu")
+  assert profiles.resolve().name == "gpu"
+  with pytest.raises(ConfigError, match="profile must be one of"):
+    profiles.resolve("npu")
+
+
+@pytest.mark.parametrize("profile,given,want", [
+    ("gpu", {}, ("bfloat16", "bf16")),
+    ("gpu", {"weights": "f32"}, ("float32", "f32")),
+    ("gpu", {"weights": "bf16"}, ("bfloat16", "bf16")),
+    ("cpu", {"weights": "bf16"}, ("float32", "bf16")),
+    ("gpu", {"dtype": "float32"}, ("float32", None)),
+])
+def test_precision_fills_what_is_not_given(profile, given, want):
+  assert profiles.precision(profile, **given) == want
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--profile", "gpu"], (None, None)),  # the profile's
+    (["--profile", "gpu", "--tree-budget", "8"], ("float32", "f32")),  # exact trees
+    (["--profile", "gpu", "--schedule", "cost"], ("float32", "f32")),
+    (["--profile", "gpu", "--tree-budget", "8", "--weights", "bf16"], (None, "bf16")),
+    (["--profile", "gpu", "--tree-budget", "8", "--allow-inexact"], (None, None)),
+])
+def test_command_line_precision(argv, want):
+  assert _precision(_parse(argv)) == want
 
 
 @pytest.mark.parametrize("width,gamma,max_stages,want", [
@@ -42,7 +126,3 @@ def test_loop_shape_for_width(width, gamma, max_stages, want):
 def test_loop_shape_for_a_width_too_narrow():
   with pytest.raises(ConfigError, match="no room for two drafting stages"):
     arguments.loop_shape_for_width(2, drafter_block_size=4, max_stages=3)
-
-
-def test_default_weights_are_bf16():
-  assert _parse([]).weights == "bf16"

@@ -129,7 +129,7 @@ def test_unsupported_weights(tmp_path):
 
 
 def test_hf_dir_without_tokenizer_loads(tiny_hf_dir):
-  target = load_target(tiny_hf_dir)
+  target = load_target(tiny_hf_dir, dtype="float32")
   assert isinstance(target, LoadedTarget)
   assert target.tokenizer is None and target.name == "tiny"
   assert target.config.num_layers == 3

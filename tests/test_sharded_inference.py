@@ -43,8 +43,8 @@ _SCRIPT = textwrap.dedent(r"""
     COSTS = {1: 30.0, 2: 40.4, 3: 46.0, 5: 51.7, 9: 63.6, 13: 66.8, 17: 72.0, 25: 82.0}
     out = {}
     mesh = sharding.inference_mesh("data=2,tensor=4")
-    one = load_target(sys.argv[1]).model
-    split = load_target(sys.argv[1], mesh=mesh).model
+    one = load_target(sys.argv[1], dtype="float32").model
+    split = load_target(sys.argv[1], mesh=mesh, dtype="float32").model
     layer = split.layers[0]
     out["specs"] = {n: [a for a in getattr(layer, n)[...].sharding.spec]
                     for n in ("wqkv", "wo", "w_gate_up", "w_down")}

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def real():
   from dloop_jax.models import load_target
-  return load_target("smollm2-135m-instruct")
+  return load_target("smollm2-135m-instruct", dtype="float32")
 
 
 def test_shipped_for_the_default_target_best_first(real):

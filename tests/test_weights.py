@@ -129,7 +129,7 @@ def test_weight_dtype_names_and_errors():
 def test_load_target_with_bf16_weights(tmp_path):
   tiny_hf_dir = model_fixtures.save_hf(model_fixtures.tiny_hf_model("llama_tied"),
                                        str(tmp_path / "tiny"))
-  f32 = load_target(tiny_hf_dir)
+  f32 = load_target(tiny_hf_dir, dtype="float32")
   bf16 = load_target(tiny_hf_dir, weights="bf16")
   assert f32.model.layers[0].w_down[...].dtype == jnp.float32
   assert bf16.model.layers[0].w_down[...].dtype == jnp.bfloat16
@@ -140,16 +140,30 @@ def test_load_target_with_bf16_weights(tmp_path):
 
 @pytest.mark.parametrize("gamma,max_stages,batch", [(3, 1, 1), (2, 3, 3)])
 def test_greedy_lossless_with_bf16_weights(tiny_bf16, gamma, max_stages, batch):
+  """By default every mode runs at one width: the same tokens as ar with the same options."""
   drafter = drafter_fixtures.perturbed(tiny_bf16, noise_scale=1.0, seed=3)
   rng = np.random.default_rng(gamma * 10 + max_stages + batch)
   for _ in range(2):
     prompts = [rng.integers(0, 64, size=int(rng.integers(1, 12))).tolist() for _ in range(batch)]
-    ar = generate(tiny_bf16, prompts, max_new_tokens=20)
+    ar = generate(tiny_bf16, prompts, max_new_tokens=20, block_size=gamma, max_stages=max_stages)
     for mode, gate in [("sd", -0.5), ("dloop", -0.5), ("dloop", -math.inf)]:
+      if mode == "sd" and max_stages > 1:
+        continue  # sd verifies one stage: ar's options would differ
       out = generate(tiny_bf16, prompts, max_new_tokens=20, mode=mode, drafter=drafter,
                      block_size=gamma, gate=gate, max_stages=max_stages)
-      for p, want, got in zip(prompts, ar.tokens, out.tokens):
-        assert_same_or_near_tie(tiny_bf16, p, want, got)
+      assert out.fixed_width == ar.fixed_width == max(5, 1 + max_stages * gamma)
+      assert out.tokens == ar.tokens, (mode, gate)
+    # Free widths: refused unless asked for, then within 16-bit rounding.
+    with pytest.raises(ConfigError, match="would not reproduce mode 'ar' exactly"):
+      generate(tiny_bf16, prompts, max_new_tokens=20, mode="dloop", drafter=drafter,
+               block_size=gamma, max_stages=max_stages, schedule="cost")
+    free_ar = generate(tiny_bf16, prompts, max_new_tokens=20, fixed_width=0)
+    out = generate(tiny_bf16, prompts, max_new_tokens=20, mode="dloop", drafter=drafter,
+                   block_size=gamma, max_stages=max_stages, schedule="cost",
+                   allow_inexact=True)
+    assert out.fixed_width is None
+    for p, want, got in zip(prompts, free_ar.tokens, out.tokens):
+      assert_same_or_near_tie(tiny_bf16, p, want, got)
 
 
 @pytest.mark.parametrize("take", ["take_rows", "jnp.take"])

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     target_name = args.target or _default_target(args.drafter)
     if not target_name:
       raise DLoopError(f"{args.drafter} does not name its target; pass --target.")
-    target = load_target(target_name)
+    target = load_target(target_name, dtype="float32")
     drafter = drafter_io.load_drafter(args.drafter, target=target.model)
     metrics = extra = None
     if args.draft_vocab_size:

@@ -549,7 +549,7 @@ class TargetResponses(LocalBuilder):
                           tiny_target_name(seed=c.target_seed, init_std=c.target_init_std))
       else:
         from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
-        loaded = load_target(c.target)
+        loaded = load_target(c.target, dtype="float32")
         self._resolved = (loaded.model, self._tokenizer or loaded.tokenizer, loaded.name)
     return self._resolved
 

@@ -6,11 +6,13 @@ and what it accepts, instead of failing deep inside a trace.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
 import numpy as np
 
+from dloop_jax import profiles
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.errors import ConfigError
 
@@ -113,3 +115,100 @@ def validate_tree(*, drafter, tree_budget) -> None:
     raise ConfigError(f"tree_budget > 0 needs a drafter that drafts trees; drafter"
                       f" {drafter.name!r} ({drafter.kind}) does not yet (use the block,"
                       " EAGLE-3 or Domino drafter, or tree_budget=0).")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodingShape:
+  """What a profile and the options decide before anything is traced.
+
+  Attributes:
+    block_size: gamma (None in mode "ar" without one given).
+    max_stages: S_max (1 in mode "sd").
+    schedule: "cost" or "off".
+    fixed_width: W > 0 every forward after prefill W tokens wide; 0 free widths.
+  """
+
+  block_size: int | None
+  max_stages: int
+  schedule: str
+  fixed_width: int
+
+
+def is_16_bit(target) -> bool:
+  """Whether `target` stores its weight matrices or computes in 16 bits."""
+  return any(np.dtype(d).itemsize == 2 for d in (target.weight_dtype, target.dtype))
+
+
+def resolve_shape(*, target, mode, drafter, block_size, max_stages, schedule, fixed_width,
+                  tree_budget, profile) -> DecodingShape:
+  """The decoding shape from the options, the profile filling what is None.
+
+  A 16-bit target's forwards run at the profile's fixed width W (`profiles`)
+  unless the options ask for free widths (`fixed_width=0`, `schedule="cost"`,
+  a draft tree); dloop then drafts the loop W verifies whole (W = 5: 2 stages
+  of 2), sd min(gamma, W - 1) drafts, and options asking for more drafts than
+  W holds widen W to 1 + stages * gamma, in every mode alike: `ar` with the
+  same options runs at the same width, the exact reference of the others.
+  An f32 target runs at free widths (schedule "cost" for chains, "off" for
+  trees).
+  """
+  trees = is_int(tree_budget) and tree_budget > 0
+  drafter_gamma = getattr(drafter, "block_size", None)
+  if fixed_width is None:
+    free = not is_16_bit(target) or trees or schedule == "cost"
+    if free:
+      fixed_width = 0
+    else:
+      width = profiles.resolve(profile).fixed_width
+      if mode == "dloop" and block_size is None and max_stages is None and drafter_gamma:
+        block_size, max_stages = loop_shape_for_width(
+            width, drafter_block_size=drafter_gamma, max_stages=profiles.DEFAULT_MAX_STAGES)
+      elif mode == "sd" and block_size is None and drafter_gamma:
+        block_size = min(drafter_gamma, width - 1)
+      gamma = block_size if block_size is not None else drafter_gamma
+      stages = 1 if mode == "sd" else (
+          max_stages if max_stages is not None else profiles.DEFAULT_MAX_STAGES)
+      if is_int(gamma) and is_int(stages) and gamma > 0 and stages > 0:
+        width = max(width, 1 + stages * gamma)
+      fixed_width = width
+  if block_size is None:
+    block_size = drafter_gamma
+  if max_stages is None:
+    max_stages = profiles.DEFAULT_MAX_STAGES
+  if mode == "sd":
+    max_stages = 1
+  if schedule is None:
+    schedule = "off" if trees or fixed_width else "cost"
+  return DecodingShape(block_size=block_size, max_stages=max_stages, schedule=schedule,
+                       fixed_width=fixed_width)
+
+
+def validate_exactness(*, target, mode, fixed_width, tree_budget, allow_inexact) -> None:
+  """Refuses speculative decoding that would not reproduce `ar` bit for bit.
+
+  Greedy outputs of `sd` / `dloop` equal `ar`'s with the same options. In f32
+  that holds at any width up to the near-tie rule (a verification of T tokens
+  rounds like T one-token steps to within ~1e-6). A 16-bit target rounds its
+  activations to 8 significant bits in every product, so a forward of another
+  width moves logits by up to ~1e-1 and flips argmaxes well away from ties:
+  exact only when every forward has one width (`fixed_width`), which trees
+  cannot use yet.
+  """
+  if mode == "ar" or allow_inexact or not is_16_bit(target):
+    return
+  trees = is_int(tree_budget) and tree_budget > 0
+  if trees:
+    raise ConfigError(
+        f"tree_budget={tree_budget} with a 16-bit target (weights {np.dtype(target.weight_dtype)},"
+        f" compute {np.dtype(target.dtype)}) would not reproduce mode 'ar' exactly: trees verify"
+        " at varying widths, where 16-bit products round differently. Use f32 weights"
+        " (load_target(..., weights='f32'), python -m infer --weights f32), or chains"
+        " (tree_budget=0) at a fixed width; allow_inexact=True (--allow-inexact) runs it anyway.")
+  if not fixed_width:
+    raise ConfigError(
+        f"Free verification widths (fixed_width=0 or schedule='cost') with a 16-bit target"
+        f" (weights {np.dtype(target.weight_dtype)}, compute {np.dtype(target.dtype)}) would not"
+        " reproduce mode 'ar' exactly: 16-bit products round differently at each width. Leave"
+        " fixed_width and schedule at their defaults (every forward at the profile's fixed"
+        " width), or use f32 weights (weights='f32', --weights f32); allow_inexact=True"
+        " (--allow-inexact) runs it anyway.")

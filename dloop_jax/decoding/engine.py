@@ -524,7 +524,7 @@ def _prepare(
     drafter: Drafter | None = None,
     block_size: int | None = None,
     gate: float = -0.5,
-    max_stages: int = 3,
+    max_stages: int | None = None,
     sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
@@ -535,16 +535,23 @@ def _prepare(
     tree_budget: int = 0,
     confidence: str = "auto",
     grow_cache: bool = False,
-    fixed_width: int = 0,
+    fixed_width: int | None = None,
+    profile: str | None = None,
+    allow_inexact: bool = False,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
-  if block_size is None and drafter is not None:
-    block_size = drafter.block_size
-  if mode == "sd":
-    max_stages = 1
-  if schedule is None:
-    schedule = ("off" if (arguments.is_int(tree_budget) and tree_budget > 0) or fixed_width
-                else "cost")
+  if mode not in MODES:
+    raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+  if grow_cache and fixed_width is None:
+    fixed_width = 0
+  shape = arguments.resolve_shape(
+      target=target, mode=mode, drafter=drafter if mode != "ar" else None,
+      block_size=block_size, max_stages=max_stages, schedule=schedule,
+      fixed_width=fixed_width, tree_budget=tree_budget, profile=profile)
+  block_size, max_stages = shape.block_size, shape.max_stages
+  schedule, fixed_width = shape.schedule, shape.fixed_width
+  arguments.validate_exactness(target=target, mode=mode, fixed_width=fixed_width,
+                               tree_budget=tree_budget, allow_inexact=allow_inexact)
   arguments.validate_fixed_width(fixed_width=fixed_width, mode=mode, block_size=block_size,
                                  max_stages=max_stages, schedule=schedule,
                                  tree_budget=tree_budget)
@@ -645,7 +652,7 @@ def generate(
     drafter: Drafter | None = None,
     block_size: int | None = None,
     gate: float = -0.5,
-    max_stages: int = 3,
+    max_stages: int | None = None,
     sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
@@ -656,7 +663,9 @@ def generate(
     tree_budget: int = 0,
     confidence: str = "auto",
     grow_cache: bool = False,
-    fixed_width: int = 0,
+    fixed_width: int | None = None,
+    profile: str | None = None,
+    allow_inexact: bool = False,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -670,7 +679,8 @@ def generate(
     drafter: drafter for "sd" / "dloop".
     block_size: gamma, drafts per stage (default: the drafter's own).
     gate: DLoop's confidence gate g (only "dloop").
-    max_stages: S_max (only "dloop"; "sd" always drafts one stage).
+    max_stages: S_max (only "dloop"; "sd" always drafts one stage). None: 3,
+      or what the fixed width holds (below).
     sampling: greedy by default.
     seed: int or PRNG key.
     stop_tokens: token ids that end a row (committed, then the row stops).
@@ -712,11 +722,18 @@ def generate(
       W (W >= 1 + max_stages * block_size; schedule "off"; chains only).
       Every forward is then the same program shape, in which XLA computes a
       token's row with the same bits wherever it sits, so greedy outputs of
-      all modes run with the same W are bit-identical, in bf16 weights too
-      (at varying widths bf16 products round differently and only f32 stays
-      within the near-tie rule: docs/decoding.md). Worth it where a W-token
-      forward costs about a one-token step (bf16 weights on CPUs with AMX,
-      accelerators). 0 (default): each forward as wide as its tokens.
+      all modes run with the same W are bit-identical, with 16-bit weights
+      and compute too. 0: each forward as wide as its tokens. None (default):
+      the profile's width for a 16-bit target's chains (cpu 5, gpu / tpu 16;
+      dloop then drafts the loop it verifies whole, 2 stages of 2 at W = 5,
+      unless block_size / max_stages say otherwise, which widen W in every
+      mode alike), 0 for f32 targets and trees (`arguments.resolve_shape`).
+    profile: "cpu", "gpu", "tpu" or None (this backend's, `dloop_jax.profiles`):
+      the defaults above.
+    allow_inexact: run a 16-bit target's sd / dloop at free widths (trees,
+      fixed_width=0, schedule="cost"), where greedy outputs equal `ar`'s
+      only up to 16-bit rounding (`arguments.validate_exactness`); without it
+      such a call raises a ConfigError naming the exact alternatives.
 
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
@@ -726,7 +743,8 @@ def generate(
       block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
       stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
       draft_backoff=draft_backoff, tree_budget=tree_budget, confidence=confidence,
-      grow_cache=grow_cache, fixed_width=fixed_width)
+      grow_cache=grow_cache, fixed_width=fixed_width, profile=profile,
+      allow_inexact=allow_inexact)
   prompts = [list(p) for p in prompts]
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages
@@ -764,4 +782,5 @@ def generate(
       rows=rows, seconds=seconds, compile_seconds=compile_seconds, mode=mode,
       block_size=gamma or None, gate=float(gate) if mode == "dloop" else None,
       max_stages=s_max if not is_ar else None,
-      schedule=static.schedule if not is_ar else None, features=feats)
+      schedule=static.schedule if not is_ar else None, features=feats,
+      fixed_width=static.fixed_width or None)

@@ -68,6 +68,7 @@ class GenerationOutput:
     seconds: wall time of the compiled call (compilation excluded).
     compile_seconds: time spent compiling in this call (0 when cached).
     schedule: "cost" or "off" (sd / dloop; None for ar).
+    fixed_width: the width of every forward after prefill (None: free widths).
     features: with `capture_taps`, per row [positions, n_taps, D] target taps
       at every position the target read (prompt + all new tokens but the last).
   """
@@ -82,6 +83,7 @@ class GenerationOutput:
   max_stages: int | None = None
   schedule: str | None = None
   features: list[np.ndarray] | None = None
+  fixed_width: int | None = None
 
   @property
   def total(self) -> RowStats:

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dloop_jax import profiles
 from dloop_jax.errors import ConfigError, ModelLoadError
 from dloop_jax.models.config import TransformerConfig
 from dloop_jax.models.tokenizer import Tokenizer, has_tokenizer_files
@@ -149,24 +150,27 @@ def precision(dtype: str | Any | None = None, weights: str | Any | None = None):
   return compute, stored
 
 
-def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32,
-                weights: str | Any | None = None, mesh=None) -> LoadedTarget:
+def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
+                weights: str | Any | None = None, mesh=None,
+                profile: str | None = None) -> LoadedTarget:
   """Loads a target model from a registry name, a .gguf file or an HF directory.
 
   Args:
     source: registry name (see `REGISTRY`), path to a `.gguf`, or a directory
       with `config.json` + safetensors weights.
     dtype: compute dtype: activations, KV cache, norms and biases ("float32"
-      / "bfloat16" or a dtype; f32 on CPU, bf16 on accelerators). Logits,
-      softmaxes, norms' statistics and acceptance stay f32.
-    weights: storage of the weight matrices: "f32", "bf16" (or a dtype); None
-      = `dtype`. On XLA:CPU, bf16 matrices with f32 activations make forwards
-      of several tokens far cheaper than f32 ones, at about the cost of an f32
-      one-token step (docs/benchmarks.md). See `precision` for the
-      combinations.
+      / "bfloat16" or a dtype). Logits, softmaxes, norms' statistics and
+      acceptance stay f32. None: the profile's (`dloop_jax.profiles`).
+    weights: storage of the weight matrices: "f32", "bf16" (or a dtype). None
+      with a `dtype`: that dtype; None with neither: the profile's (bf16 on
+      accelerators and on CPUs with AMX, f32 on other CPUs). See `precision`
+      for the combinations.
     mesh: a `jax.sharding.Mesh` (`models.sharding.inference_mesh`): each
       weight goes from host memory straight to its shards on the mesh's
       devices (`models.sharding`), and `generate()` decodes on the mesh.
+    profile: "cpu", "gpu", "tpu" or None (this backend's): where `dtype` and
+      `weights` are not given, they come from it (`python -m infer` uses the
+      same defaults).
 
   Returns:
     A `LoadedTarget`.
@@ -180,7 +184,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=jnp.float32
   from dloop_jax.models.gguf_loader import load_gguf, open_gguf
   from dloop_jax.models.hf_loader import load_hf_dir
 
-  dtype, stored = precision(dtype, weights)
+  dtype, stored = precision(*profiles.precision(profile, dtype=dtype, weights=weights))
   text = os.fspath(source)
   if text in REGISTRY:
     name, path = text, registry_path(text)

@@ -208,6 +208,8 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
 
   common = dict(common, target=target, weights=weights)
+  # A 16-bit target's rows at free widths are marked, not refused (`generate(allow_inexact=)`).
+  free_widths = dict(allow_inexact=arguments.is_16_bit(target))
   costs = None
   if "cost" in schedules + (tree_schedules if any(args.tree_budgets) else []) and drafters:
     costs = _cost_table(args, target, weights=weights)
@@ -232,7 +234,7 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
                 method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
                 gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
                 draft_backoff=args.draft_backoff, tree_budget=budget, confidence=confidence,
-                **common))
+                **free_widths, **common))
   for width in fixed_widths:
     methods.append(methods_lib.Ours(method="ar", fixed_width=width, **common))
   for label, d in (drafters if fixed_widths else ()):
@@ -463,14 +465,29 @@ def main(argv=None) -> int:
               f" {_ratio(chain['modeled_speedup'])}")
     _log(f"[bench] wrote {args.out}/results.json, results.md, speedup.png"
          + (", gate_sweep.png" if sweep else "") + (", trees.png" if wrote_trees else ""))
+    if sampling.greedy:
+      broken = _not_lossless(records)
+      if broken:
+        print(f"\nFAILED: {len(broken)} greedy output(s) of exact methods differ from ar's"
+              " (beyond the near-tie rule): " + "; ".join(broken[:10]), file=sys.stderr)
+        return 3
   except DLoopError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
 
 
+def _not_lossless(records) -> list[str]:
+  """Records of exact methods (all but `~inexact` ones and the peers) whose greedy output
+  is not ar's (identical, or first differing at a near-tie)."""
+  return [f"{r['method']}[{r['drafter']}] on {r['prompt_id']}" for r in records
+          if "~inexact" not in r["method"] and not r["method"].startswith("hf")
+          and r.get("lossless_vs_ar") is False]
+
+
 def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> list[dict]:
   """DLoop over gate x S_max on the first --sweep-prompts prompts of each category."""
+  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
   chosen, seen = [], {}
   for p, ids in prompts:
@@ -483,7 +500,8 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
   for label, d in drafters:
     # The gate alone: every round drafts (no back-off), the scheduler as in the main run.
     m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
-                         block_size=args.block_size, draft_backoff=0, **common)
+                         block_size=args.block_size, draft_backoff=0,
+                         allow_inexact=arguments.is_16_bit(target.model), **common)
     for s_max in args.sweep_max_stages:
       # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
       for g in args.sweep_gates:

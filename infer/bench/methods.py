@@ -70,14 +70,19 @@ class Ours:
   fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
   weights: str = ""  # the target's weight storage when not the run's reference ("bf16"); "": it
   confidence: str = "auto"  # the scheduler's c_k (`generate(confidence=)`)
+  # A 16-bit target at free widths, whose greedy outputs equal ar's only up to
+  # 16-bit rounding (`generate(allow_inexact=)`): reported, not held to ar's tokens.
+  allow_inexact: bool = False
 
   @property
   def method_name(self) -> str:
     """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is
     verified, "~prob" when the scheduler reads the top draft probabilities of a drafter that
     has a learned confidence, "/wW" at a fixed forward width W, "@bf16" on a target whose
-    weights are stored otherwise than the run's reference `ar`'s."""
+    weights are stored otherwise than the run's reference `ar`'s, "~inexact" for a 16-bit
+    target at free widths."""
     width = f"/w{self.fixed_width}" if self.fixed_width else ""
+    width += "~inexact" if self.allow_inexact and self.method != "ar" else ""
     weights = f"@{self.weights}" if self.weights else ""
     if self.method == "ar":
       return self.method + width + weights
@@ -101,7 +106,8 @@ class Ours:
         max_stages=self.max_stages if max_stages is None else max_stages,
         sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
         schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff,
-        tree_budget=self.tree_budget, fixed_width=self.fixed_width, confidence=self.confidence)
+        tree_budget=self.tree_budget, fixed_width=self.fixed_width, confidence=self.confidence,
+        allow_inexact=self.allow_inexact)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,

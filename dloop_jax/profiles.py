@@ -1,0 +1,155 @@
+"""Backend profiles: the hardware-specific defaults, named and overridable.
+
+What is fastest depends on the machine, not on the algorithm: how the target's
+weight matrices are stored, the compute dtype, and the width every forward
+runs at. Those choices live here, as named profiles resolved from
+`jax.default_backend()` (or `$DLOOP_PROFILE`, or an explicit name), instead of
+being baked into shared code:
+
+    profile  compute   weights                  a 16-bit target's forwards
+    cpu      float32   bf16 where the CPU has   5 tokens wide (dloop: 2 stages of 2)
+                       AMX, else f32
+    gpu      bfloat16  bf16                     16 tokens wide (dloop: up to 3 stages)
+    tpu      bfloat16  bf16                     16 tokens wide
+
+f32 targets run each forward as wide as its tokens, the cost scheduler
+choosing how many drafts to verify.
+
+Why (docs/decoding.md, "Profiles"): a fixed width pays where a forward of a
+few tokens costs about what a one-token step costs. On accelerators that holds
+for widths of tens of tokens. On CPUs it holds for bf16 weights only where the
+CPU multiplies bf16 natively at matrix speed (AMX); elsewhere a bf16 one-token
+step is slower than an f32 one, and f32 weights at free widths with the cost
+scheduler are faster. `python -m infer.costs --weights bf16` / `--weights f32`
+measures both on a machine; `--weights` / `--profile` override the choice.
+
+Every profile runs on every backend, so the accelerator code paths are tested
+on CPU (`generate(profile="gpu")`, `python -m infer --profile gpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+from dloop_jax.errors import ConfigError
+
+PROFILES = ("cpu", "gpu", "tpu")
+# The fixed width of CPU profiles with 16-bit weights: two stages of gamma 2.
+CPU_FIXED_WIDTH = 5
+# On accelerators a forward of a few tens of tokens costs about a one-token
+# step (both read every weight once): room for 3 stages of 4 or 2 of 7.
+ACCELERATOR_FIXED_WIDTH = 16
+DEFAULT_MAX_STAGES = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+  """Hardware-specific defaults of loading a target and decoding with it.
+
+  Attributes:
+    name: "cpu", "gpu" or "tpu".
+    dtype: compute dtype of the target ("float32" / "bfloat16": activations,
+      KV cache, norms); logits and acceptance stay f32.
+    weights: storage of the weight matrices ("f32" / "bf16").
+    fixed_width: the width of every forward after prefill of a 16-bit target
+      (the only way its speculative outputs equal its `ar` output bit for bit,
+      see `decoding.arguments.validate_exactness`), widened where the options
+      ask for more drafts. f32 targets run at free widths.
+    max_stages: S_max by default.
+    why: one line on the choice, printed by the command line.
+  """
+
+  name: str
+  dtype: str
+  weights: str
+  fixed_width: int
+  max_stages: int = DEFAULT_MAX_STAGES
+  why: str = ""
+
+
+def cpu_has_amx() -> bool:
+  """Whether this CPU multiplies bf16 matrices natively (Intel AMX-BF16; Linux only)."""
+  return "amx_bf16" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return frozenset(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return frozenset()
+
+
+def _cpu_profile() -> Profile:
+  if cpu_has_amx():
+    return Profile(name="cpu", dtype="float32", weights="bf16", fixed_width=CPU_FIXED_WIDTH,
+                   why="CPU with AMX-BF16: bf16 weight matrices, every forward 5 tokens wide")
+  return Profile(name="cpu", dtype="float32", weights="f32", fixed_width=CPU_FIXED_WIDTH,
+                 why="CPU without AMX: f32 weights (bf16 one-token steps are slower there),"
+                     " free widths chosen by the cost scheduler")
+
+
+def _accelerator_profile(name: str) -> Profile:
+  return Profile(name=name, dtype="bfloat16", weights="bf16",
+                 fixed_width=ACCELERATOR_FIXED_WIDTH,
+                 why=f"{name.upper()}: bf16 weights, activations and KV cache; every forward"
+                     f" {ACCELERATOR_FIXED_WIDTH} tokens wide")
+
+
+def backend_profile_name() -> str:
+  """The profile of the backend JAX runs on (`$DLOOP_PROFILE` overrides it)."""
+  env = os.environ.get("DLOOP_PROFILE", "").strip()
+  if env:
+    return env
+  import jax  # pylint: disable=g-import-not-at-top
+  backend = jax.default_backend()
+  if backend in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  return "tpu" if backend == "tpu" else "cpu"
+
+
+def resolve(profile: str | Profile | None = None) -> Profile:
+  """A `Profile` from a name, a profile, or None (this backend's).
+
+  Raises:
+    ConfigError: an unknown profile name.
+  """
+  if isinstance(profile, Profile):
+    return profile
+  name = backend_profile_name() if profile is None else profile
+  if name not in PROFILES:
+    raise ConfigError(f"profile must be one of {PROFILES} (or None: this backend's), got"
+                      f" {name!r}.")
+  return _cpu_profile() if name == "cpu" else _accelerator_profile(name)
+
+
+def precision(profile: str | Profile | None, *, dtype=None, weights=None) -> tuple:
+  """(dtype, weights) of a target: those given; the profile fills what is not.
+
+      given            result
+      neither          the profile's dtype and weights
+      dtype only       (dtype, None): weights stored in the compute dtype
+      weights only     f32 weights: float32 compute; bf16 weights: the
+                       profile's compute dtype (float32 on CPU, bf16 elsewhere)
+  """
+  if dtype is not None or weights is None:
+    if dtype is None:
+      p = resolve(profile)
+      return p.dtype, p.weights
+    return dtype, weights
+  if _is_float32(weights):
+    return "float32", weights
+  return resolve(profile).dtype, weights
+
+
+def _is_float32(value) -> bool:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if isinstance(value, str):
+    return value.lower() in ("f32", "float32", "fp32")
+  return np.dtype(value) == np.float32

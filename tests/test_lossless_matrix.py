@@ -1,0 +1,111 @@
+"""The lossless contract across options: every drafter kind, precision, width policy and batch.
+
+For each combination `generate()` accepts, greedy `sd` / `dloop` output equals
+`ar` output with the same options: bit for bit at a fixed width (16-bit
+targets by default), up to an f32 near-tie at free widths (f32 targets);
+16-bit targets at free widths are refused unless `allow_inexact=True`
+(docs/decoding.md, "What lossless guarantees"). Untrained drafters on a
+peaked tiny target: some drafts are accepted, most rejected, so both the
+accepted-prefix and the bonus paths run. Options are shared across kinds so
+that `ar` compiles once per precision and batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dloop_jax.decoding import generate
+from dloop_jax.drafters import build_drafter
+from dloop_jax.errors import ConfigError
+from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import Transformer
+from lossless import assert_same_or_near_tie
+
+KINDS = {
+    "eagle3": {"kind": "eagle3", "block_size": 2, "draft_vocab_size": 0},
+    "block": {"kind": "block", "block_size": 2, "num_layers": 1},
+    "dspark": {"kind": "dspark", "block_size": 2, "markov_rank": 8},
+    "domino": {"kind": "domino", "block_size": 2, "gru_hidden_size": 16, "correction_rank": 8},
+}
+SHAPE = dict(block_size=2, max_stages=2, max_new_tokens=16)
+TREE_BUDGET = 4
+
+
+@pytest.fixture(scope="module")
+def targets():
+  f32 = tiny_target(seed=1, init_std=0.2)
+  bf16 = Transformer.from_params(f32.config, f32.flat_params(), weight_dtype=jnp.bfloat16)
+  return {"f32": f32, "bf16": bf16}
+
+
+@pytest.fixture(scope="module")
+def drafters(targets):
+  return {(kind, precision): build_drafter(config, target=target, rngs=nnx.Rngs(7))
+          for kind, config in KINDS.items() for precision, target in targets.items()}
+
+
+def _prompts(batch: int, seed: int) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 64, size=int(rng.integers(2, 12))).tolist() for _ in range(batch)]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_f32_free_widths_equal_ar_up_to_near_ties(targets, drafters, kind):
+  target, drafter = targets["f32"], drafters[kind, "f32"]
+  prompts = _prompts(3, seed=len(kind))
+  ar = generate(target, prompts, **SHAPE)
+  assert ar.fixed_width is None
+  runs = [dict(mode="dloop", gate=-math.inf, schedule="cost"),
+          dict(mode="sd", schedule="off")]
+  if drafter.supports_trees:
+    runs.append(dict(mode="dloop", gate=-math.inf, tree_budget=TREE_BUDGET))
+  for options in runs:
+    out = generate(target, prompts, drafter=drafter, **options, **SHAPE)
+    assert out.fixed_width is None
+    for p, want, got in zip(prompts, ar.tokens, out.tokens):
+      assert_same_or_near_tie(target, p, want, got)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_16_bit_default_equals_ar_bit_for_bit(targets, drafters, kind):
+  target, drafter = targets["bf16"], drafters[kind, "bf16"]
+  for batch in (1, 3):
+    prompts = _prompts(batch, seed=10 * batch + len(kind))
+    ar = generate(target, prompts, **SHAPE)
+    assert ar.fixed_width == 5  # the cpu profile's width holds 2 stages of 2
+    for mode, gate in (("dloop", -math.inf), ("dloop", -0.5)):
+      out = generate(target, prompts, mode=mode, drafter=drafter, gate=gate, **SHAPE)
+      assert out.fixed_width == 5
+      assert out.tokens == ar.tokens, (kind, batch, mode, gate)
+
+
+def test_16_bit_sd_and_the_gpu_profile_equal_ar_bit_for_bit(targets, drafters):
+  target, drafter = targets["bf16"], drafters["block", "bf16"]
+  prompts = _prompts(3, seed=5)
+  sd_shape = dict(SHAPE, max_stages=1)  # sd verifies one stage: ar with the same options
+  ar = generate(target, prompts, **sd_shape)
+  out = generate(target, prompts, mode="sd", drafter=drafter, **sd_shape)
+  assert out.fixed_width == ar.fixed_width == 5 and out.tokens == ar.tokens
+  # The accelerator profile on this CPU: its own (wider) width, the same contract.
+  ar = generate(target, prompts, profile="gpu", **SHAPE)
+  out = generate(target, prompts, mode="dloop", drafter=drafter, gate=-math.inf,
+                 profile="gpu", **SHAPE)
+  assert out.fixed_width == ar.fixed_width == 16 and out.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("options", [
+    dict(tree_budget=TREE_BUDGET),
+    dict(schedule="cost"),
+    dict(fixed_width=0),
+])
+def test_16_bit_free_widths_are_refused_with_the_exact_alternatives(targets, drafters,
+                                                                     options):
+  target, drafter = targets["bf16"], drafters["block", "bf16"]
+  with pytest.raises(ConfigError, match="would not reproduce mode 'ar' exactly") as e:
+    generate(target, _prompts(1, seed=0), mode="dloop", drafter=drafter, **options, **SHAPE)
+  assert "weights='f32'" in str(e.value) and "allow_inexact=True" in str(e.value)
