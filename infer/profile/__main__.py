@@ -80,11 +80,6 @@ def _ints(text: str, what: str) -> list[int]:
   return values
 
 
-def _is_out_of_memory(e: Exception) -> bool:
-  text = str(e)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
-
-
 def run(args, log) -> dict:
   """The profile; returns the written paths. Raises DLoopError on bad input."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -216,7 +211,8 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except Exception as e:  # pylint: disable=broad-except
-    if not _is_out_of_memory(e):
+    from infer.profile import presets  # pylint: disable=g-import-not-at-top
+    if not presets.is_out_of_memory(e):
       raise
     print(f"error: the device ran out of memory ({str(e).splitlines()[0][:200]}). Profile"
           " smaller shapes: another --preset, --set num_layers=N, --weights bf16 or a smaller"

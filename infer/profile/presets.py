@@ -171,6 +171,12 @@ def _normal(key, shape, dtype):
   return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
+def is_out_of_memory(e: Exception) -> bool:
+  """Whether `e` is the device running out of memory (compiling or running)."""
+  text = str(e)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
 def summary(config: TransformerConfig) -> Mapping[str, object]:
   """The shape fields a report shows."""
   keys = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
