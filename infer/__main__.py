@@ -109,9 +109,10 @@ def _parse(argv):
                       " tokens. Default: the profile's width (cpu 5, gpu / tpu 16) with 16-bit"
                       " weights and chains, else 0")
   p.add_argument("--costs", default=None,
-                 help="JSON cost table to schedule with (default: $DLOOP_COSTS, else the"
-                      " cached table of the target, measured on first use; see"
-                      " python -m infer.costs)")
+                 help="JSON cost table to schedule with, or 'calibrate' (measure this"
+                      " target's table now if none is cached). Default: $DLOOP_COSTS, else the"
+                      " table python -m infer.costs cached for the target, else the profile's"
+                      " default table (with a warning)")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   return p.parse_args(argv)
 

@@ -101,8 +101,9 @@ def test_calibration_is_cached_per_key_and_extended(tiny, tmp_path, monkeypatch)
   assert len(calls) == 4
 
 
-def test_generate_without_a_table_calibrates_once(tiny, tmp_path, monkeypatch):
-  """costs=None, no $DLOOP_COSTS: the target's table is measured, cached, then reused."""
+def test_generate_measures_only_when_asked(tiny, tmp_path, monkeypatch):
+  """costs=None, no $DLOOP_COSTS, nothing cached: the profile's default table, a warning, no
+  file; costs="calibrate": the table is measured and cached, then costs=None reuses it."""
   costs_lib._MEMO.clear()
   monkeypatch.setattr(costs_lib, "DEFAULT_WIDTHS", (1, 2, 3))  # fewer compiles
   monkeypatch.delenv("DLOOP_COSTS")
@@ -110,12 +111,19 @@ def test_generate_without_a_table_calibrates_once(tiny, tmp_path, monkeypatch):
   drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=3)
   kw = dict(max_new_tokens=6, mode="sd", drafter=drafter, block_size=1)
   ar = generate(tiny, [[1, 2, 3]], max_new_tokens=6)
-  assert generate(tiny, [[1, 2, 3]], **kw).tokens == ar.tokens
+  calls = []
+  calibrate = costs_lib.calibrate
+  monkeypatch.setattr(costs_lib, "calibrate", lambda *a, **k: calls.append(k) or calibrate(*a, **k))
+  with pytest.warns(UserWarning, match="python -m infer.costs"):
+    assert generate(tiny, [[1, 2, 3]], **kw).tokens == ar.tokens
+  assert not calls and not (tmp_path / "costs").exists()
+  assert generate(tiny, [[1, 2, 3]], costs="calibrate", **kw).tokens == ar.tokens
   (path,) = (tmp_path / "costs").glob("*.json")
+  assert len(calls) == 1
   stamp = path.stat().st_mtime_ns
   costs_lib._MEMO.clear()
   assert generate(tiny, [[1, 2, 3]], **kw).tokens == ar.tokens
-  assert path.stat().st_mtime_ns == stamp
+  assert path.stat().st_mtime_ns == stamp and len(calls) == 1
   # $DLOOP_COSTS names a file used instead; a broken one is an error, not a silent fallback.
   (tmp_path / "broken.json").write_text("{}")
   monkeypatch.setenv("DLOOP_COSTS", str(tmp_path / "broken.json"))

@@ -17,7 +17,9 @@ thing on both, so the table is measured, not assumed:
   * overrides: `generate(costs=...)` takes a `CostTable`, a mapping
     {width: cost}, or the path of a JSON file (`save` writes one; the file
     needs a "costs" object {"width": cost}); with `costs=None` the file named
-    by `$DLOOP_COSTS` is used if set, else `for_target`.
+    by `$DLOOP_COSTS` is used if set, else the table `for_target` cached,
+    else the profile's default table (`DEFAULT_TABLES`, with a warning):
+    `generate()` measures only when asked, with `costs="calibrate"`.
 
 Widths between measured ones are interpolated linearly; a table must measure
 width 1 and at least the widest width a program verifies.
@@ -38,6 +40,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -296,11 +299,70 @@ def as_table(value) -> CostTable:
                     f" JSON cost table, got {type(value).__name__}.")
 
 
-def resolve(value, *, target, batch_size: int, widths: Sequence[int]) -> np.ndarray:
-  """Costs [len(widths)] f32 at the compiled widths, from `generate()`'s `costs` argument."""
+# Default tables, in units of a one-token forward, for a target whose own table
+# has not been measured on this machine (`python -m infer.costs` measures it).
+# CPU: the shape measured for SmolLM2-135M on a 2-core x86 CPU (steep: every
+# token of a forward multiplies every weight again), extended linearly.
+# Accelerators: nearly flat, a forward reading every weight once whatever its
+# width up to a few tens of tokens.
+DEFAULT_TABLES = {
+    "cpu": {1: 1.0, 2: 1.35, 3: 1.53, 5: 1.72, 9: 2.12, 13: 2.23, 17: 2.40, 25: 2.73,
+            65: 4.40, 257: 12.4},
+    "gpu": {1: 1.0, 17: 1.05, 65: 1.25, 257: 2.5},
+    "tpu": {1: 1.0, 17: 1.05, 65: 1.25, 257: 2.5},
+}
+CALIBRATE = "calibrate"
+
+
+def cached(target, *, batch_size: int, widths: Sequence[int] = (),
+           directory: str | None = None) -> CostTable | None:
+  """The table `for_target` cached for `target` at `batch_size`, if it covers `widths`; no
+  measuring."""
+  path = _path(cache_key(target, batch_size=batch_size), directory)
+  table = _MEMO.get(path)
+  if table is None and os.path.exists(path):
+    try:
+      table = load(path)
+    except ConfigError:
+      return None
+  if table is None or (widths and max(widths) > table.widths[-1]):
+    return None
+  _MEMO[path] = table
+  return table
+
+
+def default_table(profile) -> CostTable:
+  """The profile's default table (`DEFAULT_TABLES`), for targets not yet measured here."""
+  from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
+  name = profiles.resolve(profile).name
+  return CostTable(costs=DEFAULT_TABLES[name], key={"default": name})
+
+
+def resolve(value, *, target, batch_size: int, widths: Sequence[int],
+            profile=None) -> np.ndarray:
+  """Costs [len(widths)] f32 at the compiled widths, from `generate()`'s `costs` argument.
+
+  None: the file named by $DLOOP_COSTS, else the table cached for this target
+  on this machine (`python -m infer.costs`, or `costs="calibrate"` once), else
+  the profile's default table, with a warning saying how to measure the real
+  one: generate() never times forwards unless asked to. "calibrate": the
+  cached table, measured (and cached) first if missing.
+  """
   if value is None:
     env = os.environ.get("DLOOP_COSTS")
-    table = load(env) if env else for_target(target, batch_size=batch_size, widths=widths)
+    if env:
+      table = load(env)
+    else:
+      table = cached(target, batch_size=batch_size, widths=widths)
+      if table is None:
+        table = default_table(profile)
+        warnings.warn(
+            f"No cost table measured for this target at batch size {batch_size} on this machine:"
+            f" the scheduler uses the {table.key['default']} profile's default"
+            " (decoding.costs.DEFAULT_TABLES). Measure it once with `python -m infer.costs`"
+            " (or generate(costs='calibrate')).", stacklevel=3)
+  elif isinstance(value, str) and value == CALIBRATE:
+    table = for_target(target, batch_size=batch_size, widths=widths)
   else:
     table = as_table(value)
   return table.at(widths)

@@ -612,7 +612,8 @@ def _prepare(
   stop_array[:len(stops)] = stops
   key = jax.random.key(seed) if isinstance(seed, int) else seed
   if static.schedule == "cost":
-    cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths)
+    cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths,
+                             profile=profile)
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
   if draft_backoff is None:
@@ -695,9 +696,10 @@ def generate(
     costs: with schedule="cost", the target forward's cost per width: a
       `costs.CostTable`, a {width: cost} mapping or a JSON file path. None: the
       file named by $DLOOP_COSTS if set, else this target's table on this
-      machine at this batch size, measured the first time and cached on disk
-      (`decoding.costs`). The table is a traced value: changing it does not
-      recompile.
+      machine at this batch size if one was measured (`python -m infer.costs`),
+      else the profile's default table (with a warning). "calibrate": that
+      table, measured and cached on disk first if missing (`decoding.costs`).
+      The table is a traced value: changing it does not recompile.
     draft_backoff: ("sd" / "dloop") the longest pause, in rounds, of a row's
       drafting after rounds whose drafts were all rejected or not worth
       verifying (`decoding.draft_policy`: pauses double from 1 up to this;
