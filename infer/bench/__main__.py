@@ -76,10 +76,12 @@ def _parse(argv):
                  help="gamma for sd and dloop (default: each drafter's trained block size)")
   p.add_argument("--gate", type=float, default=-0.5, help="DLoop gate g")
   p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
-  p.add_argument("--weights", type=_names, default=["f32"],
+  p.add_argument("--weights", type=_names, default=None,
                  help="storage of our target's weight matrices: f32 and / or bf16. With two"
                       " (f32,bf16), every method of ours also runs on the second storage"
-                      " (methods named ...@bf16) against the first's ar")
+                      " (methods named ...@bf16) against the first's ar. Default: f32, plus"
+                      " the profile's weights when they are 16-bit (what python -m infer runs"
+                      " by default)")
   p.add_argument("--modes", default="sd,dloop",
                  help="speculative modes to run with each drafter: sd and / or dloop (our ar,"
                       " the reference of every comparison, always runs)")
@@ -104,11 +106,13 @@ def _parse(argv):
   p.add_argument("--tree-schedules", default="off",
                  help="verification schedules of the tree rows: off (the whole tree;"
                       " sd/treeB/all, dloop/treeB/all) and / or cost (the best nodes that pay)")
-  p.add_argument("--fixed-widths", type=_ints, default=[],
+  p.add_argument("--fixed-widths", type=_ints, default=None,
                  help="also run our ar at each fixed forward width W (ar/wW), and sd / dloop"
                       " at the smallest W that holds their verification (mode/all/wW: every"
                       " target forward W tokens wide, every draft verified; outputs must equal"
-                      " ar/wW's bit for bit, bf16 weights included; docs/decoding.md)")
+                      " ar/wW's bit for bit, bf16 weights included; docs/decoding.md)."
+                      " Default: the profile's fixed width when its weights are 16-bit, else"
+                      " none")
   p.add_argument("--repeats", type=int, default=1,
                  help="time each prompt this many times, the methods interleaved, and keep"
                       " each method's median run (steadier ratios on a noisy machine)")
@@ -124,6 +128,20 @@ def _parse(argv):
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
   return p.parse_args(argv)
+
+
+def _profile_defaults(args) -> None:
+  """--weights and --fixed-widths left unset: what `python -m infer` runs by default on this
+  machine is among the methods (f32 reference, plus the profile's 16-bit weights at its
+  fixed width)."""
+  from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
+  profile = profiles.resolve()
+  sixteen = profile.weights != "f32"
+  if args.weights is None:
+    args.weights = ["f32"] + ([profile.weights] if sixteen else [])
+  if args.fixed_widths is None:
+    args.fixed_widths = [profile.fixed_width] if sixteen else []
+  _log(f"[bench] profile {profile.name}: {profile.why}")
 
 
 def _log(msg: str) -> None:
@@ -209,7 +227,7 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
 
   common = dict(common, target=target, weights=weights)
   # A 16-bit target's rows at free widths are marked, not refused (`generate(allow_inexact=)`).
-  free_widths = dict(allow_inexact=arguments.is_16_bit(target))
+  free_widths = dict(allow_inexact=target is not None and arguments.is_16_bit(target))
   costs = None
   if "cost" in schedules + (tree_schedules if any(args.tree_budgets) else []) and drafters:
     costs = _cost_table(args, target, weights=weights)
@@ -301,6 +319,7 @@ def main(argv=None) -> int:
     tree_schedules = _names(args.tree_schedules)
     if any(x not in ("cost", "off") for x in tree_schedules):
       raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
+    _profile_defaults(args)
     if any(w < 1 for w in args.fixed_widths):
       raise DLoopError(f"--fixed-widths takes widths >= 1, got {args.fixed_widths}.")
     fixed_widths = sorted(set(args.fixed_widths))
