@@ -866,3 +866,25 @@ def test_head_drafter_checkpoints_we_cannot_use(target, tmp_path):
   safetensors.torch.save_file(w, os.path.join(path, "model.safetensors"))
   with pytest.raises(CheckpointFormatError, match="prefix_gru.bias_ih_l0"):
     load(path)
+
+
+def test_drafter_rope_and_head_options_in_our_format(target, tmp_path):
+  """A drafter's own RoPE, EAGLE-3's norm_output and DSpark's confidence_head_with_markov
+  survive our own format; the defaults leave the configs of before them unchanged."""
+  scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=16)
+  for i, config in enumerate([
+      {"kind": "eagle3", "rope_theta": 10000.0, "rope_scaling": scaling, "norm_output": False},
+      {"kind": "dspark", "rope_theta": 500000.0, "confidence_head_with_markov": False}]):
+    drafter = build_drafter(config, target=target, rngs=nnx.Rngs(0))
+    assert {k: drafter.spec.to_dict()[k] for k in config} == config
+    loaded = drafter_io.load_drafter(drafter_io.export_drafter(drafter, tmp_path / str(i)),
+                                     target=target)
+    assert loaded.spec == drafter.spec
+  plain = build_drafter({"kind": "eagle3"}, target=target, rngs=nnx.Rngs(0)).spec.to_dict()
+  assert not {"rope_theta", "rope_scaling", "norm_output"} & set(plain)
+  for bad, match in [({"kind": "block", "norm_output": False}, "do not apply to kind 'block'"),
+                     ({"kind": "eagle3", "rope_scaling": scaling}, "rope_scaling needs rope_theta"),
+                     ({"kind": "eagle3", "rope_theta": "x"}, "rope_theta must be a number")]:
+    with pytest.raises(ConfigError, match=match):
+      build_drafter(bad, target=target, rngs=nnx.Rngs(0))
