@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import model_fixtures
-from dloop_jax.models import transformer
+from dloop_jax.models import attention
 from dloop_jax.models.hf_loader import load_hf_dir
 from dloop_jax.models.kv_cache import write_kv
 from dloop_jax.models.transformer import Transformer
@@ -227,11 +227,11 @@ def test_cached_attention_layouts_agree(batch, new, monkeypatch):
                                                + np.arange(new)[None, :, None] + 1)
   layouts = {}
   for name, min_pairs in (("slot_major", 1), ("query_major", 10 ** 9)):
-    monkeypatch.setattr(transformer, "SLOT_MAJOR_MIN_PAIRS", min_pairs)
-    assert transformer._slot_major(pairs=batch * kv_heads, queries=groups * new) == (
+    monkeypatch.setattr(attention, "SLOT_MAJOR_MIN_PAIRS", min_pairs)
+    assert attention._slot_major(pairs=batch * kv_heads, queries=groups * new) == (
         name == "slot_major")
-    layouts[name] = np.asarray(jax.jit(transformer.cached_attention)(q, k_cache, v_cache,
-                                                                     jnp.asarray(mask)))
+    layouts[name] = np.asarray(jax.jit(attention.cached_attention)(q, k_cache, v_cache,
+                                                                   jnp.asarray(mask)))
   kc = k_cache.reshape(batch, kv_heads, capacity, head)
   vc = v_cache.reshape(batch, kv_heads, capacity, head)
   want = np.zeros((batch, new, kv_heads * groups, head), np.float64)

@@ -98,36 +98,29 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
   return jax.vmap(one)(buffer, update, starts)
 
 
-# Batches up to this size write their rows with straight-line code.
-_MAX_UNROLLED_ROWS = 16
-
-
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              starts: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Writes new keys / values [B, T, K, H] of one layer at slots `starts + t`.
 
+  One update per cache array whatever the batch: a batched dynamic-update-slice
+  (a scatter with the (row, kv head) axis as its batch axis) writes every row
+  at its own start. Inside a decode loop XLA updates the carried cache in
+  place through it, and on a mesh it splits along the cache's row / kv-head
+  sharding like the cache itself. (Per-row updates made the program grow with
+  the batch; tests/test_kv_cache_writes.py counts the updates in the compiled
+  program.)
+
   Args:
     k_cache, v_cache: [B * K, C, H].
     k, v: [B, T, K, H].
-    starts: [B].
+    starts: [B] (callers keep `starts + T <= C`).
   """
   b, t, kv_heads, h = k.shape
+  row_starts = jnp.repeat(starts, kv_heads, total_repeat_length=b * kv_heads)  # [B * K]
 
   def write(cache, new):
-    new = jnp.transpose(new, (0, 2, 1, 3)).astype(cache.dtype)  # [B, K, T, H]
-
-    # One dynamic_update_slice per row: XLA updates the loop-carried cache in
-    # place through it, where a vmap would lower to a scatter that copies it.
-    def write_row(row, cache):
-      return jax.lax.dynamic_update_slice(cache, new[row], (row * kv_heads, starts[row], 0))
-
-    if b > _MAX_UNROLLED_ROWS:
-      # Thousands of unrolled updates (sampling tests decode 3,000 rows) make
-      # a program XLA's compiler cannot handle; a loop keeps it small.
-      return jax.lax.fori_loop(0, b, write_row, cache)
-    for row in range(b):
-      cache = write_row(row, cache)
-    return cache
+    new = jnp.transpose(new, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)  # [B * K, T, H]
+    return write_rows(cache, new, row_starts)
 
   return write(k_cache, k), write(v_cache, v)
 

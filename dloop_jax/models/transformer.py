@@ -42,9 +42,11 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.errors import ModelLoadError
+from dloop_jax.models import attention as attention_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
 from dloop_jax.models import sharding as sharding_lib
+from dloop_jax.models.attention import attention  # noqa: F401 (re-exported: drafters use it)
 from dloop_jax.models.config import TransformerConfig
 
 
@@ -162,8 +164,9 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, h: jax.Array, *, config: TransformerConfig, cos: jax.Array,
                sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
-               masks: tuple[jax.Array, ...], write_cache: bool,
-               groups: tuple[int, int] = (1, 1)
+               masks: tuple[jax.Array, ...] | None, block_mask: jax.Array | None,
+               write_cache: bool, groups: tuple[int, int] = (1, 1),
+               attention_impl: str = "xla"
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """h [B, T, D] -> (h, k_cache, v_cache, k, v).
 
@@ -172,9 +175,12 @@ class DecoderLayer(nnx.Module):
     tokens go into the cache first (slots `starts + t`) and attention reads it
     with `masks = (mask [B, T, C],)`; without, the cache is only read and comes
     back as it was (`masks = (cache_mask [B, C], new_mask [B, T, T])`, see
-    `attention_with_new`). `groups` = (head groups, MLP groups): the column
-    groups of `wqkv` / `bqkv` and of `w_gate_up` on a mesh
+    `attention_with_new`). `masks = None` takes `attention.blockwise_attention`
+    (long forwards), which builds its masks per tile from `starts` and
+    `block_mask` [B, T, T] (None: causal). `groups` = (head groups, MLP
+    groups): the column groups of `wqkv` / `bqkv` and of `w_gate_up` on a mesh
     (`sharding.interleave_columns`; (1, 1) = the standard layout).
+    `attention_impl`: see `attention.ATTENTION_IMPLS`.
     """
     c = config
     b, t, _ = h.shape
@@ -192,11 +198,22 @@ class DecoderLayer(nnx.Module):
     k = rope_lib.apply_rope(k, cos, sin)
     if write_cache:
       k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
-      out = cached_attention(q, k_cache, v_cache, *masks)
+    if masks is None:
+      if attention_impl != "xla" and write_cache and t == k_cache.shape[1]:
+        # A forward that fills the whole cache starts at slot 0 (prefill).
+        out = attention_lib.prefill_attention(
+            q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), block_mask=block_mask,
+            impl=attention_impl)
+      else:
+        out = attention_lib.blockwise_attention(
+            q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
+            new_kv=None if write_cache else (k, v))
+    elif write_cache:
+      out = attention_lib.cached_attention(q, k_cache, v_cache, *masks)
     else:
       cache_mask, new_mask = masks
-      out = attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
-                               cache_mask=cache_mask, new_mask=new_mask)
+      out = attention_lib.attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
+                                             cache_mask=cache_mask, new_mask=new_mask)
     h = h + mm(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = _split_gate_up(mm(x, self.w_gate_up[...]), groups=groups[1])
@@ -356,145 +373,6 @@ def project_rows(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   return out
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention of new queries over all cache slots.
-
-  Args:
-    q: [B, T, N, H] queries (N query heads).
-    k: [B, C, K, H] keys of every slot (K kv heads, N = K * G).
-    v: [B, C, K, H] values.
-    mask: [B, T, C] visibility.
-
-  Returns:
-    [B, T, N * H].
-  """
-  b, t, n, h = q.shape
-  kv_heads = k.shape[2]
-  q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  scores = _f32_einsum("btkgh,bckh->bkgtc", q, k) * (h ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = _f32_einsum("bkgtc,bckh->btkgh", probs, v).astype(v.dtype)
-  return out.reshape(b, t, n * h)
-
-
-def _f32_einsum(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-  """An attention product accumulated and returned in f32 whatever the operands' dtype.
-
-  With bf16 activations, the read-only verification (`attention_with_new`:
-  two products summed) and the cached one (`cached_attention`: one product)
-  then round to bf16 once, at the same place, and agree to f32 precision
-  instead of differing by a bf16 rounding of each partial product.
-  """
-  return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
-
-
-def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
-  """[B, T, N, H] -> [B * K, G * T, H]: the queries of each (row, kv head)."""
-  b, t, n, h = q.shape
-  g = n // kv_heads
-  return q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, g * t, h)
-
-
-def _ungroup(out: jax.Array, *, batch: int, num_new: int) -> jax.Array:
-  """[B * K, G * T, H] -> [B, T, N * H]."""
-  n_kv, _, h = out.shape
-  kv_heads = n_kv // batch
-  out = out.reshape(batch, kv_heads, -1, num_new, h).transpose(0, 3, 1, 2, 4)
-  return out.reshape(batch, num_new, -1)
-
-
-# Both attentions below keep the cache the left operand of their matmuls, in
-# the [batch, rows, inner] form XLA:CPU multiplies as is: a reshaped or
-# transposed cache operand made XLA copy whole layer caches in every step.
-
-
-# When many (row, kv head) pairs each read a long cache with a few queries
-# (batched decode steps: dataset builds at batch 64), XLA:CPU multiplies the
-# cache by the queries several times faster into slot-major scores [n, C, q]
-# than into query-major ones [n, q, C] (192 pairs, 3 queries, 576 slots: 8 ms
-# against 38 ms per layer). The softmax still runs over the minor axis of a
-# transposed copy (a max over a major axis is as slow as the product was); the
-# barrier keeps XLA from folding the transpose back into the product. With a
-# few rows the query-major product is as fast or faster, so the shapes decide.
-SLOT_MAJOR_MIN_PAIRS = 32
-SLOT_MAJOR_MAX_QUERIES = 64
-
-
-def _slot_major(*, pairs: int, queries: int) -> bool:
-  return pairs >= SLOT_MAJOR_MIN_PAIRS and queries <= SLOT_MAJOR_MAX_QUERIES
-
-
-def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                     mask: jax.Array) -> jax.Array:
-  """`attention` over one layer of the target's `KVCache`, new tokens written.
-
-  Args:
-    q: [B, T, N, H] queries.
-    k_cache, v_cache: [B * K, C, H] (row b's kv heads at b * K .. b * K + K - 1).
-    mask: [B, T, C] visibility.
-
-  Returns:
-    [B, T, N * H].
-  """
-  b, t, _, h = q.shape
-  kv_heads = k_cache.shape[0] // b
-  capacity = k_cache.shape[1]
-  q = _group_queries(q, kv_heads)
-  if _slot_major(pairs=q.shape[0], queries=q.shape[1]):
-    slot_major = jax.lax.optimization_barrier(_f32_einsum("nch,nqh->ncq", k_cache, q))
-    scores = jnp.transpose(slot_major, (0, 2, 1)) * (h ** -0.5)
-  else:
-    scores = _f32_einsum("nch,nqh->nqc", k_cache, q) * (h ** -0.5)
-  scores = scores.reshape(b, kv_heads, -1, t, capacity)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-  probs = probs.reshape(b * kv_heads, -1, capacity)
-  out = _f32_einsum("nch,nqc->nqh", v_cache, probs).astype(v_cache.dtype)
-  return _ungroup(out, batch=b, num_new=t)
-
-
-def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
-                       v_cache: jax.Array, cache_mask: jax.Array,
-                       new_mask: jax.Array) -> jax.Array:
-  """Attention over one layer's cache (read only) and over the new tokens.
-
-  One softmax spans both key sets. With committed slots 0..1 of a cache of 4
-  (`cache_mask` = [x x . .]) and 2 new tokens, causal ('x' = visible):
-
-      key:   cache0 cache1 cache2 cache3 | new0 new1
-      t = 0  x      x      .      .      | x    .
-      t = 1  x      x      .      .      | x    x
-
-  Args:
-    q: [B, T, N, H] queries.
-    k, v: [B, T, K, H] keys / values of the new tokens.
-    k_cache, v_cache: [B * K, C, H].
-    cache_mask: [B, C] cache slots every new token sees.
-    new_mask: [B, T, T] which new tokens each new token sees.
-
-  Returns:
-    [B, T, N * H].
-  """
-  b, t, kv_heads, h = k.shape
-  capacity = k_cache.shape[1]
-  q = _group_queries(q, kv_heads)
-  k = jnp.transpose(k, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
-  v = jnp.transpose(v, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)
-  scale = h ** -0.5
-  from_cache = _f32_einsum("nch,nqh->nqc", k_cache, q) * scale
-  from_new = _f32_einsum("nqh,nsh->nqs", q, k) * scale
-  scores = jnp.concatenate([from_cache, from_new], axis=-1).reshape(b, kv_heads, -1, t,
-                                                                    capacity + t)
-  visible = jnp.concatenate(
-      [jnp.broadcast_to(cache_mask[:, None, :], (b, t, capacity)), new_mask], axis=-1)
-  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * kv_heads, -1, capacity + t)
-  out = (_f32_einsum("nch,nqc->nqh", v_cache, probs[..., :capacity])
-         + _f32_einsum("nqs,nsh->nqh", probs[..., capacity:], v)).astype(v.dtype)
-  return _ungroup(out, batch=b, num_new=t)
-
-
 def _split_layers(stacked: Mapping[str, jax.Array | np.ndarray], num_layers: int, *,
                   out_major: bool, put=lambda name, w: jnp.asarray(w)) -> nnx.List:
   """Stacked weights -> one `DecoderLayer` each; `put(name, layer's array)` places them.
@@ -512,11 +390,17 @@ def _swap_matrix_axes(stacked: dict[str, Any]) -> dict[str, Any]:
           for name, w in stacked.items()}
 
 
+# Causal forwards over more tokens than this (prefill of long prompts) run in
+# chunks of this many tokens (`Transformer._chunked`).
+PREFILL_CHUNK = 1024
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM whose forward takes and returns an explicit KV cache."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
-               dtype=jnp.float32, weight_dtype=None, init_std: float = 0.02):
+               dtype=jnp.float32, weight_dtype=None, init_std: float = 0.02,
+               cache_dtype=None, attention_impl: str = "xla"):
     """Random initialisation (loaders use `from_params`).
 
     Args:
@@ -529,11 +413,20 @@ class Transformer(nnx.Module):
       init_std: above the usual 0.02 gives tiny test targets peaked,
         non-uniform next-token distributions, so drafters have something to
         learn.
+      cache_dtype: the KV cache's dtype (None = `dtype`); bf16 halves the
+        bytes a decode step reads from the cache.
+      attention_impl: "xla" (default), "cudnn" or "dot_product"; see
+        `attention.ATTENTION_IMPLS`.
     """
+    if attention_impl not in attention_lib.ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {attention_lib.ATTENTION_IMPLS},"
+                       f" not {attention_impl!r}.")
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = dtype
     self.weight_dtype = jnp.dtype(dtype if weight_dtype is None else weight_dtype)
+    self.cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
+    self.attention_impl = attention_impl
     self.layout: sharding_lib.Layout | None = None  # a mesh placement (`from_params(mesh=)`)
     c = config
     init = nnx.initializers.normal(init_std)
@@ -574,10 +467,12 @@ class Transformer(nnx.Module):
   @classmethod
   def from_params(cls, config: TransformerConfig, params: Mapping[str, np.ndarray], *,
                   dtype=jnp.float32, weight_dtype=None, source: str = "",
-                  mesh: jax.sharding.Mesh | None = None) -> "Transformer":
+                  mesh: jax.sharding.Mesh | None = None, cache_dtype=None,
+                  attention_impl: str = "xla") -> "Transformer":
     """Builds a model from a flat `{name: array}` dict in `param_shapes` layout.
 
-    `dtype` and `weight_dtype` as in the constructor. With `mesh`, each
+    `dtype`, `weight_dtype`, `cache_dtype` and `attention_impl` as in the
+    constructor. With `mesh`, each
     weight goes from host memory straight to its shards
     (`models.sharding`): no device ever holds a whole matrix it does not own,
     and the model's forwards and caches follow that placement.
@@ -595,7 +490,8 @@ class Transformer(nnx.Module):
             f"Weight {name!r}{' in ' + source if source else ''} has shape"
             f" {tuple(params[name].shape)}, the config needs {shape}.")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                       weight_dtype=weight_dtype))
+                                       weight_dtype=weight_dtype, cache_dtype=cache_dtype,
+                                       attention_impl=attention_impl))
     lay = sharding_lib.layout(config, mesh) if mesh is not None else None
     model.layout = lay
 
@@ -644,12 +540,14 @@ class Transformer(nnx.Module):
               out[name], sizes, sharding_lib.groups_of(name, self.layout))
     return out
 
-  def init_cache(self, *, batch_size: int, capacity: int) -> kv_lib.KVCache:
-    """An empty cache; on a mesh split over data (rows) and tensor (kv heads)."""
+  def init_cache(self, *, batch_size: int, capacity: int, dtype=None) -> kv_lib.KVCache:
+    """An empty cache (`dtype` None: the model's `cache_dtype`); on a mesh
+    split over data (rows) and tensor (kv heads)."""
     c = self.config
     cache = kv_lib.KVCache.create(
         num_layers=c.num_layers, batch_size=batch_size, capacity=capacity,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        dtype=self.cache_dtype if dtype is None else dtype)
     if self.layout is None:
       return cache
     sharding_lib.check_batch(batch_size, self.layout.mesh)
@@ -705,10 +603,69 @@ class Transformer(nnx.Module):
     Returns:
       A `ForwardOutput`.
     """
+    t = tokens.shape[1]
+    if (t > PREFILL_CHUNK and write_cache and block_mask is None and not taps_only
+        and self.attention_impl == "xla"):
+      return self._chunked(tokens, positions=positions, cache=cache, taps=taps,
+                           logit_positions=logit_positions)
+    return self._forward(tokens, positions=positions, cache=cache, block_mask=block_mask,
+                         taps=taps, logit_positions=logit_positions, write_cache=write_cache,
+                         taps_only=taps_only)
+
+  def _chunked(self, tokens: jax.Array, *, positions: jax.Array, cache: kv_lib.KVCache,
+               taps: Sequence[int], logit_positions: jax.Array | None) -> ForwardOutput:
+    """A causal forward over a long input in chunks of `PREFILL_CHUNK` tokens.
+
+    A `lax.scan` runs the chunks in order, each a forward that writes its
+    keys / values into the carried cache and attends to what the chunks
+    before it wrote: activations are held for one chunk, not for the whole
+    input, and one chunk's program is compiled instead of the input's. The
+    last chunk is moved back to end at the input's end (it recomputes a few
+    tokens, which rewrite the same slots), so no slot past the input is
+    written.
+    """
+    b, t = tokens.shape
+    size = PREFILL_CHUNK
+    firsts = np.asarray([min(i * size, t - size) for i in range(-(-t // size))], np.int32)
+    starts = cache.lengths
+
+    def chunk(cache, first):
+      sl = lambda x: jax.lax.dynamic_slice_in_dim(x, first, size, axis=1)
+      o = self._forward(sl(tokens), positions=sl(positions), cache=cache.with_lengths(starts + first),
+                        taps=taps, logit_positions=None, write_cache=True, unembed=False)
+      return o.cache, (o.hidden, o.taps)
+
+    cache, (hidden, tapped) = jax.lax.scan(chunk, cache, jnp.asarray(firsts))
+    # Token i of the input: chunk `which[i]`, at `offset[i]` in it.
+    which = np.minimum(np.arange(t) // size, len(firsts) - 1)
+    offset = np.arange(t) - firsts[which]
+    hidden = hidden[which, :, offset].swapaxes(0, 1)  # [B, T, D]
+    tapped = tapped[which, :, offset].swapaxes(0, 1)
+    if logit_positions is not None:
+      selected = jnp.take_along_axis(hidden, logit_positions[..., None], axis=1)
+    else:
+      selected = hidden
+    slots = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
+
+    def new_of(x):  # [B * K, C, H] -> [B, T, K, H] at the input's slots
+      x = x.reshape((b, -1) + x.shape[1:])
+      return jnp.take_along_axis(x, slots[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+
+    return ForwardOutput(logits=self.unembed(selected), cache=cache.with_lengths(starts + t),
+                         taps=tapped, hidden=hidden,
+                         new_kv=tuple((new_of(k), new_of(v)) for k, v in zip(cache.k, cache.v)))
+
+  def _forward(self, tokens: jax.Array, *, positions: jax.Array, cache: kv_lib.KVCache,
+               block_mask: jax.Array | None = None, taps: Sequence[int] = (),
+               logit_positions: jax.Array | None = None, write_cache: bool = True,
+               taps_only: bool = False, unembed: bool = True) -> ForwardOutput:
+    """`__call__` in one piece; `unembed=False` leaves `logits` empty ([B, 0, V])."""
     c = self.config
     b, t = tokens.shape
     starts = cache.lengths
-    if write_cache:
+    if attention_lib.use_blockwise(t):
+      masks = None  # built per tile
+    elif write_cache:
       masks = (kv_lib.attention_mask(starts=starts, num_new=t, capacity=cache.capacity,
                                      block_mask=block_mask),)
     else:
@@ -726,7 +683,8 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers[:run]):
       h, k_cache, v_cache, k, v = layer(
           h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
-          starts=starts, masks=masks, write_cache=write_cache, groups=self._groups)
+          starts=starts, masks=masks, block_mask=block_mask, write_cache=write_cache,
+          groups=self._groups, attention_impl=self.attention_impl)
       k_caches.append(k_cache)
       v_caches.append(v_cache)
       new_kv.append((k, v))
@@ -740,11 +698,13 @@ class Transformer(nnx.Module):
       return ForwardOutput(logits=jnp.zeros((b, 0, c.vocab_size), jnp.float32), cache=cache,
                            taps=tapped, hidden=h[:, :0], new_kv=tuple(new_kv))
     hidden = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
-    if logit_positions is not None:
+    if not unembed:
+      selected = hidden[:, :0]
+    elif logit_positions is not None:
       selected = jnp.take_along_axis(hidden, logit_positions[..., None], axis=1)
     else:
       selected = hidden
-    logits = self.unembed(selected)
+    logits = self.unembed(selected) if unembed else jnp.zeros((b, 0, c.vocab_size), jnp.float32)
     if write_cache:
       cache = kv_lib.KVCache(k=tuple(k_caches), v=tuple(v_caches), lengths=starts + t)
     return ForwardOutput(logits=logits, cache=cache, taps=tapped, hidden=hidden,
