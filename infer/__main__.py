@@ -123,11 +123,13 @@ def main(argv=None) -> int:
   enable_compilation_cache()
 
   from dloop_jax import prompt_files
-  from dloop_jax.decoding import SamplingConfig, generate
+  from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
   from dloop_jax.errors import DLoopError
   from dloop_jax.models.registry import load_target
 
   try:
+    if args.tree_budget < 0:
+      raise DLoopError(f"--tree-budget must be >= 0 (0: chains), got {args.tree_budget}.")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     # Prompts first: a bad file fails before the target loads.
     if args.prompts_file:
@@ -168,20 +170,21 @@ def main(argv=None) -> int:
       else:
         encoded.append(tok.apply_chat_template([{"role": "user", "content": text}],
                                                add_generation_prompt=True))
+    # ar takes the speculative modes' options too (they set its width), not their trees.
+    config = DecodingConfig(
+        mode=mode, block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
+        sampling=sampling, schedule=args.schedule if mode != "ar" else None, costs=args.costs,
+        draft_backoff=args.draft_backoff, tree_budget=args.tree_budget if mode != "ar" else 0,
+        confidence=args.confidence, fixed_width=args.fixed_width, profile=args.profile,
+        allow_inexact=args.allow_inexact)
     # One prompt per call; on a mesh, batches of one row per data shard (the
     # last padded with copies of its last prompt, whose outputs are dropped).
     rows_per_call = mesh.shape["data"] if mesh is not None else 1
     for start in range(0, len(encoded), rows_per_call):
       batch = encoded[start:start + rows_per_call]
       out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
-                     max_new_tokens=args.max_new_tokens, mode=mode,
-                     drafter=drafter, block_size=args.block_size, gate=args.gate,
-                     max_stages=args.max_stages, sampling=sampling, seed=args.seed,
-                     stop_tokens=stop, schedule=args.schedule if mode != "ar" else None,
-                     costs=args.costs, draft_backoff=args.draft_backoff,
-                     tree_budget=args.tree_budget if mode != "ar" else 0,
-                     confidence=args.confidence, fixed_width=args.fixed_width,
-                     profile=args.profile, allow_inexact=args.allow_inexact)
+                     max_new_tokens=args.max_new_tokens, drafter=drafter, config=config,
+                     seed=args.seed, stop_tokens=stop)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
                 drafter=drafter, tok=tok, target=target.model)

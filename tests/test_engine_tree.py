@@ -238,14 +238,14 @@ def test_drafter_without_trees(tiny):
 
 
 def test_cli_tree_budget_error(tmp_path):
-  """`python -m infer --tree-budget` reaches generate(): a one-line error, no traceback."""
+  """A bad `python -m infer --tree-budget`: a one-line error, no traceback."""
   model = model_fixtures.tiny_hf_model("llama_tied")
   gguf = model_fixtures.write_gguf(model, str(tmp_path / "tiny.gguf"))
   proc = subprocess.run(
-      [sys.executable, "-m", "infer", "--target", gguf, "--mode", "ar", "--tree-budget", "4",
+      [sys.executable, "-m", "infer", "--target", gguf, "--mode", "ar", "--tree-budget", "-1",
        "--max-new-tokens", "2"], cwd=pathlib.Path(__file__).resolve().parents[1],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: ") and "needs mode 'sd' or 'dloop'" in last, proc.stderr
+  assert last.startswith("error: ") and "--tree-budget must be >= 0" in last, proc.stderr

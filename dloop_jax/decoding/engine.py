@@ -54,6 +54,7 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.decoding import arguments
+from dloop_jax.decoding import config as config_lib
 from dloop_jax.decoding import costs as costs_lib
 from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
@@ -63,6 +64,7 @@ from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding import tree_round
 from dloop_jax.decoding import verify as verify_lib
+from dloop_jax.decoding.config import DecodingConfig
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import kv_cache as kv_lib
@@ -519,27 +521,22 @@ def _prepare(
     target: Transformer,
     prompts: Sequence[Sequence[int]],
     *,
+    config: DecodingConfig,
     max_new_tokens: int,
-    mode: str = "ar",
     drafter: Drafter | None = None,
-    block_size: int | None = None,
-    gate: float = -0.5,
-    max_stages: int | None = None,
-    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
-    schedule: str | None = None,
-    costs: Any = None,
-    draft_backoff: int | None = None,
-    tree_budget: int = 0,
-    confidence: str = "auto",
     grow_cache: bool = False,
-    fixed_width: int | None = None,
-    profile: str | None = None,
-    allow_inexact: bool = False,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
+  if not isinstance(config, DecodingConfig):
+    raise ConfigError(f"config must be a DecodingConfig, got {type(config).__name__}.")
+  mode, block_size, gate = config.mode, config.block_size, config.gate
+  max_stages, sampling, schedule = config.max_stages, config.sampling, config.schedule
+  costs, draft_backoff, tree_budget = config.costs, config.draft_backoff, config.tree_budget
+  confidence, fixed_width, profile = config.confidence, config.fixed_width, config.profile
+  allow_inexact = config.allow_inexact
   if mode not in MODES:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
   if grow_cache and fixed_width is None:
@@ -571,17 +568,17 @@ def _prepare(
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ConfigError("Every prompt needs at least one token.")
-  config = target.config
-  vocab = config.vocab_size
+  target_config = target.config
+  vocab = target_config.vocab_size
   for p in prompts:
     if min(p) < 0 or max(p) >= vocab:
       raise ConfigError(f"Prompt token ids must be in [0, {vocab}); got {min(p)}..{max(p)}.")
   longest = max(len(p) for p in prompts)
-  if longest + max_new_tokens > config.max_position_embeddings:
+  if longest + max_new_tokens > target_config.max_position_embeddings:
     raise PromptTooLongError(
         f"Prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the context"
-        f" window of {config.max_position_embeddings} tokens of {config.name or 'the target'};"
-        " shorten the prompt or ask for fewer new tokens.")
+        f" window of {target_config.max_position_embeddings} tokens of"
+        f" {target_config.name or 'the target'}; shorten the prompt or ask for fewer new tokens.")
 
   stops = sorted(set(int(t) for t in stop_tokens))
   is_ar = mode == "ar"
@@ -638,9 +635,26 @@ def _prepare(
   return static, args
 
 
-def decode_jaxpr(target: Transformer, prompts: Sequence[Sequence[int]], **kwargs):
+def _split_options(config: DecodingConfig | None, kwargs: dict) -> tuple[DecodingConfig, dict]:
+  """(the config with the keyword overrides that name its fields, the other keywords)."""
+  overrides = {k: v for k, v in kwargs.items() if k in config_lib.FIELDS}
+  rest = {k: v for k, v in kwargs.items() if k not in config_lib.FIELDS}
+  unknown = sorted(set(rest) - _CALL_OPTIONS)
+  if unknown:
+    raise ConfigError(f"generate() got unknown option(s) {unknown}; decoding options are"
+                      f" {sorted(config_lib.FIELDS)} (or pass config=DecodingConfig(...)), call"
+                      f" options {sorted(_CALL_OPTIONS)}.")
+  return (config if config is not None else DecodingConfig()).replace(**overrides), rest
+
+
+_CALL_OPTIONS = frozenset({"drafter", "seed", "stop_tokens", "capture_taps", "grow_cache"})
+
+
+def decode_jaxpr(target: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 config: DecodingConfig | None = None, **kwargs):
   """The jaxpr of the program `generate()` would run (for inspection and tests)."""
-  static, args = _prepare(target, prompts, **kwargs)
+  config, rest = _split_options(config, kwargs)
+  static, args = _prepare(target, prompts, config=config, max_new_tokens=max_new_tokens, **rest)
   return jax.make_jaxpr(lambda *a: _decode(static, *a))(*args)
 
 
@@ -649,24 +663,13 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    mode: str = "ar",
     drafter: Drafter | None = None,
-    block_size: int | None = None,
-    gate: float = -0.5,
-    max_stages: int | None = None,
-    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+    config: DecodingConfig | None = None,
     seed: int | jax.Array = 0,
     stop_tokens: Sequence[int] = (),
     capture_taps: Sequence[int] = (),
-    schedule: str | None = None,
-    costs: Any = None,
-    draft_backoff: int | None = None,
-    tree_budget: int = 0,
-    confidence: str = "auto",
     grow_cache: bool = False,
-    fixed_width: int | None = None,
-    profile: str | None = None,
-    allow_inexact: bool = False,
+    **options: Any,
 ) -> GenerationOutput:
   """Generates continuations of a batch of token-id prompts.
 
@@ -676,17 +679,27 @@ def generate(
       multiple of its size), weights and KV heads as placed (docs/scaling.md).
     prompts: B prompts (lists of token ids, lengths may differ).
     max_new_tokens: new tokens per row at most (the first comes from prefill).
-    mode: "ar", "sd" or "dloop".
     drafter: drafter for "sd" / "dloop".
+    config: a `DecodingConfig` holding the decoding options below (mode
+      through allow_inexact); None: the defaults. Keyword options given as
+      well override its fields: `generate(..., config=c, gate=-1.0)`.
+    seed: int or PRNG key.
+    stop_tokens: token ids that end a row (committed, then the row stops).
+    capture_taps: ("ar" only) also return the target's tapped hidden states at
+      every position read during generation.
+    grow_cache: ("ar" only) start the KV cache just past the prompts and grow
+      it in steps (`cache_ladder`), so that each step attends over about the
+      live context instead of the whole capacity: faster long generations
+      (dataset builds), a longer compile. Same tokens and taps up to
+      floating-point summation order.
+    **options: fields of `DecodingConfig`:
+
+    mode: "ar", "sd" or "dloop".
     block_size: gamma, drafts per stage (default: the drafter's own).
     gate: DLoop's confidence gate g (only "dloop").
     max_stages: S_max (only "dloop"; "sd" always drafts one stage). None: 3,
       or what the fixed width holds (below).
     sampling: greedy by default.
-    seed: int or PRNG key.
-    stop_tokens: token ids that end a row (committed, then the row stops).
-    capture_taps: ("ar" only) also return the target's tapped hidden states at
-      every position read during generation.
     schedule: ("sd" / "dloop") "cost": verify only the prefix of the drafts
       whose expected committed tokens per unit of target time is best (see
       `decoding.schedule`; possibly none: a plain decode step); "off": verify
@@ -714,11 +727,6 @@ def generate(
       DSpark's confidence head); "probability", the drafter's top draft
       probability (`schedule.draft_confidence`); "auto" (default), the first
       when the drafter has one. A traced value: switching does not recompile.
-    grow_cache: ("ar" only) start the KV cache just past the prompts and grow
-      it in steps (`cache_ladder`), so that each step attends over about the
-      live context instead of the whole capacity: faster long generations
-      (dataset builds), a longer compile. Same tokens and taps up to
-      floating-point summation order.
     fixed_width: W > 0 runs every target forward after prefill at width W:
       decode steps padded to W tokens, verifications of every draft padded to
       W (W >= 1 + max_stages * block_size; schedule "off"; chains only).
@@ -740,14 +748,12 @@ def generate(
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
   """
+  config, _ = _split_options(config, options)
   static, args = _prepare(
-      target, prompts, max_new_tokens=max_new_tokens, mode=mode, drafter=drafter,
-      block_size=block_size, gate=gate, max_stages=max_stages, sampling=sampling, seed=seed,
-      stop_tokens=stop_tokens, capture_taps=capture_taps, schedule=schedule, costs=costs,
-      draft_backoff=draft_backoff, tree_budget=tree_budget, confidence=confidence,
-      grow_cache=grow_cache, fixed_width=fixed_width, profile=profile,
-      allow_inexact=allow_inexact)
+      target, prompts, config=config, max_new_tokens=max_new_tokens, drafter=drafter,
+      seed=seed, stop_tokens=stop_tokens, capture_taps=capture_taps, grow_cache=grow_cache)
   prompts = [list(p) for p in prompts]
+  mode, gate = config.mode, config.gate
   is_ar = mode == "ar"
   gamma, s_max = static.block_size, static.max_stages
 

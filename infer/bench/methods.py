@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
 from dloop_jax.errors import ConfigError
 
 
@@ -97,17 +97,26 @@ class Ours:
     name = self.method_name
     return name if not self.drafter_label else f"{name}[{self.drafter_label}]"
 
+  @property
+  def decoding(self) -> DecodingConfig:
+    """The method's decoding options."""
+    return DecodingConfig(
+        mode=self.method, block_size=self.block_size, gate=self.gate,
+        max_stages=self.max_stages, sampling=self.sampling, schedule=self.schedule,
+        costs=self.costs, draft_backoff=self.draft_backoff, tree_budget=self.tree_budget,
+        fixed_width=self.fixed_width, confidence=self.confidence,
+        allow_inexact=self.allow_inexact)
+
   def run(self, prompt_ids: Sequence[int], *, gate: float | None = None,
           max_stages: int | None = None) -> Run:
+    config = self.decoding
+    if gate is not None or max_stages is not None:
+      config = config.replace(gate=self.gate if gate is None else gate,
+                              max_stages=self.max_stages if max_stages is None else max_stages)
     out = generate(
-        self.target, [list(prompt_ids)], max_new_tokens=self.max_new_tokens, mode=self.method,
-        drafter=self.drafter if self.method != "ar" else None, block_size=self.block_size,
-        gate=self.gate if gate is None else gate,
-        max_stages=self.max_stages if max_stages is None else max_stages,
-        sampling=self.sampling, seed=self.seed, stop_tokens=self.stop_tokens,
-        schedule=self.schedule, costs=self.costs, draft_backoff=self.draft_backoff,
-        tree_budget=self.tree_budget, fixed_width=self.fixed_width, confidence=self.confidence,
-        allow_inexact=self.allow_inexact)
+        self.target, [list(prompt_ids)], max_new_tokens=self.max_new_tokens, config=config,
+        drafter=self.drafter if self.method != "ar" else None, seed=self.seed,
+        stop_tokens=self.stop_tokens)
     row = out.rows[0]
     return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
                rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,
