@@ -1,0 +1,140 @@
+"""Long-input attention (`attention.blockwise_attention`, chunked prefill) against the dense one.
+
+Tiny shapes with tiny blocks: several query blocks, key blocks that do not
+divide the cache (the last one moved back), rows at different starts, causal
+and tree masks, written and read-only forwards.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dloop_jax.models import attention
+from dloop_jax.models import kv_cache as kv_lib
+from dloop_jax.models import transformer
+from dloop_jax.models.transformer import Transformer
+
+_B, _T, _KV, _G, _H, _C = 3, 11, 2, 3, 8, 29
+
+
+def _inputs(seed: int):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q = f(_B, _T, _KV * _G, _H)
+  k_cache, v_cache = f(_B * _KV, _C, _H), f(_B * _KV, _C, _H)
+  k, v = f(_B, _T, _KV, _H), f(_B, _T, _KV, _H)
+  tree = jnp.asarray(rng.random((_B, _T, _T)) < 0.4) | jnp.eye(_T, dtype=bool)[None]
+  return q, k_cache, v_cache, k, v, tree
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("starts", [(0, 5, 18), (7, 7, 7)])
+def test_blockwise_equals_dense_attention(masked, starts):
+  q, k_cache, v_cache, k, v, tree = _inputs(len(starts) + masked)
+  starts = jnp.asarray(starts)
+  block_mask = tree if masked else None
+  blocks = dict(query_block=4, key_block=6)
+
+  # Written: the new tokens sit in the cache at starts + t.
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+  mask = kv_lib.attention_mask(starts=starts, num_new=_T, capacity=_C, block_mask=block_mask)
+  want = attention.cached_attention(q, kw, vw, mask)
+  got = attention.blockwise_attention(q, k_cache=kw, v_cache=vw, starts=starts,
+                                      block_mask=block_mask, **blocks)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+  # Read-only: the cache past `starts` is stale, the new tokens come apart.
+  new_mask = block_mask if masked else jnp.broadcast_to(jnp.tril(jnp.ones((_T, _T), bool)),
+                                                        (_B, _T, _T))
+  want = attention.attention_with_new(
+      q, k, v, k_cache=k_cache, v_cache=v_cache,
+      cache_mask=kv_lib.committed_mask(starts=starts, capacity=_C), new_mask=new_mask)
+  got = attention.blockwise_attention(q, k_cache=k_cache, v_cache=v_cache, starts=starts,
+                                      block_mask=block_mask, new_kv=(k, v), **blocks)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+  """Forwards over more than 4 tokens take the long-input paths, in small blocks and chunks."""
+  monkeypatch.setattr(attention, "BLOCKWISE_MIN_QUERIES", 4)
+  monkeypatch.setattr(attention, "QUERY_BLOCK", 5)
+  monkeypatch.setattr(attention, "KEY_BLOCK", 7)
+  monkeypatch.setattr(transformer, "PREFILL_CHUNK", 10)
+
+
+def _prefill(model, tokens, *, capacity, starts=None, **kw):
+  b, t = tokens.shape
+  cache = model.init_cache(batch_size=b, capacity=capacity)
+  if starts is not None:
+    cache = cache.with_lengths(starts)
+  positions = cache.lengths[:, None] + jnp.arange(t)[None]
+  return model(tokens, positions=positions, cache=cache, **kw)
+
+
+def _close(a, b):
+  """Equal up to f32 summation order (the tiny target's logits are in the tens)."""
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+def test_long_forwards_equal_the_dense_forward(tiny, monkeypatch):
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, tiny.config.vocab_size, (2, 37)), jnp.int32)
+  dense = _prefill(tiny, tokens, capacity=40, taps=(0, 1))
+  with monkeypatch.context() as m:
+    m.setattr(attention, "BLOCKWISE_MIN_QUERIES", 4)
+    m.setattr(attention, "QUERY_BLOCK", 5)
+    m.setattr(attention, "KEY_BLOCK", 7)
+    blockwise = _prefill(tiny, tokens, capacity=40, taps=(0, 1))  # one piece
+    m.setattr(transformer, "PREFILL_CHUNK", 10)
+    chunked = _prefill(tiny, tokens, capacity=40, taps=(0, 1))  # 4 chunks, the last moved back
+  for long in (blockwise, chunked):
+    _close(long.logits, dense.logits)
+    _close(long.taps, dense.taps)
+    for (k, v), (dk, dv) in zip(long.new_kv, dense.new_kv):
+      _close(k, dk)
+      _close(v, dv)
+    np.testing.assert_array_equal(np.asarray(long.cache.lengths), [37, 37])
+
+  # A decode step after the chunked prefill sees what the dense one wrote.
+  step = jnp.asarray([[3], [5]], jnp.int32)
+  after = lambda o: tiny(step, positions=jnp.full((2, 1), 37), cache=o.cache).logits
+  _close(after(chunked), after(dense))
+
+
+def test_read_only_long_forward_equals_the_written_one(tiny, small_blocks):
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(0, tiny.config.vocab_size, (2, 9)), jnp.int32)
+  starts = jnp.asarray([4, 11])
+  cache = _prefill(tiny, jnp.asarray(rng.integers(0, 64, (2, 11)), jnp.int32), capacity=24).cache
+  cache = cache.with_lengths(starts)
+  positions = starts[:, None] + jnp.arange(9)[None]
+  written = tiny(tokens, positions=positions, cache=cache)
+  read = tiny(tokens, positions=positions, cache=cache, write_cache=False)
+  _close(read.logits, written.logits)
+
+
+def test_dot_product_prefill_equals_xla(tiny, small_blocks):
+  """`attention_impl="dot_product"` (the CPU twin of "cudnn") on a prefill."""
+  twin = Transformer.from_params(tiny.config, tiny.flat_params(), attention_impl="dot_product")
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 12)), jnp.int32)
+  _close(_prefill(twin, tokens, capacity=12).logits, _prefill(tiny, tokens, capacity=12).logits)
+  with pytest.raises(ValueError, match="attention_impl"):
+    Transformer(tiny.config, attention_impl="flash")
+
+
+def test_bf16_cache_read_only_and_written_forwards_agree(tiny):
+  model = Transformer.from_params(tiny.config, tiny.flat_params(), cache_dtype=jnp.bfloat16)
+  rng = np.random.default_rng(3)
+  cache = _prefill(model, jnp.asarray(rng.integers(0, 64, (2, 6)), jnp.int32), capacity=12).cache
+  assert cache.k[0].dtype == jnp.bfloat16
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 3)), jnp.int32)
+  positions = jnp.full((2, 1), 6) + jnp.arange(3)[None]
+  written = model(tokens, positions=positions, cache=cache)
+  read = model(tokens, positions=positions, cache=cache, write_cache=False)
+  # To f32 precision: the new keys / values are rounded to bf16 in both, not in one only.
+  _close(read.logits, written.logits)
+  assert model.init_cache(batch_size=1, capacity=4, dtype=jnp.float32).k[0].dtype == jnp.float32
