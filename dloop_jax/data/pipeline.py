@@ -67,8 +67,12 @@ from dloop_jax.data import tfds_utils
 from dloop_jax.errors import ConfigError
 
 BATCH_KEYS = ("tokens", "loss_mask", "features", "segment_ids", "positions")
+# What a batch holds with features=False (online training).
+TOKEN_BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")
 TOPK_KEYS = tr_lib.TOPK_KEYS
 _SEQUENCE_KEYS = ("tokens", "loss_mask", "features")
+# What online training reads of an example (the target computes the rest).
+TOKEN_KEYS = ("tokens", "loss_mask")
 _DTYPES = {"tokens": np.int32, "loss_mask": np.int32, "features": np.float16,
            "target_topk_ids": np.int32, "target_topk_probs": np.float16}
 
@@ -113,7 +117,8 @@ def check_dataset_matches(info: Any, *, taps, target_fingerprint: Mapping[str, A
 
   Args:
     info: dataset path, `tfds.core.DatasetInfo`, or its metadata dict.
-    taps: the layers the drafter reads.
+    taps: the layers the drafter reads (None: not checked; online training
+      computes them).
     target_fingerprint: `TransformerConfig.fingerprint` of the target.
     target_config: alternatively the `TransformerConfig` (its fingerprint is used).
     target_name: the target's name; checked when given (same shapes, other
@@ -124,7 +129,8 @@ def check_dataset_matches(info: Any, *, taps, target_fingerprint: Mapping[str, A
   if not meta or "taps" not in meta:
     raise ConfigError(f"{where} has no {tr_lib.NAME} metadata (taps, target); rebuild it with"
                       " `python -m train.data`.")
-  have, want = tuple(int(t) for t in meta["taps"]), tuple(int(t) for t in taps)
+  have = tuple(int(t) for t in meta["taps"])
+  want = have if taps is None else tuple(int(t) for t in taps)
   if have != want:
     raise ConfigError(f"{where} holds target features of layers {have}; the drafter reads"
                       f" layers {want}. Rebuild the dataset with taps={list(want)}.")
@@ -140,13 +146,21 @@ def check_dataset_matches(info: Any, *, taps, target_fingerprint: Mapping[str, A
                       f" {target_name!r}. Rebuild the dataset with this target.")
 
 
-def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN):
-  """The random-access TFDS data source (array_record) of a split."""
+def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN, features: bool = True):
+  """The random-access TFDS data source (array_record) of a split.
+
+  `features=False`: the stored target outputs (taps, top-k) are left
+  undecoded (online training reads token ids only).
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   builder = tfds.builder_from_directory(resolve_dataset_dir(path))
   if split not in builder.info.splits:
     raise ConfigError(f"The dataset has splits {list(builder.info.splits)}, not {split!r}.")
-  return builder.as_data_source(split=split)
+  if features:
+    return builder.as_data_source(split=split)
+  skipped = {k: tfds.decode.SkipDecoding() for k in ("features",) + TOPK_KEYS
+             if k in builder.info.features}
+  return builder.as_data_source(split=split, decoders=skipped)
 
 
 def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_lib.TRAIN,
@@ -179,20 +193,29 @@ def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_li
 
 
 # --------------------------------------------------------------- transforms
-def _sequence_keys(example: Mapping[str, Any]) -> tuple[str, ...]:
+def _sequence_keys(example: Mapping[str, Any], features: bool = True) -> tuple[str, ...]:
+  if not features:
+    return TOKEN_KEYS
   return _SEQUENCE_KEYS + tuple(k for k in TOPK_KEYS if k in example)
 
 
-def _truncated(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
+def _truncated(example: Mapping[str, Any], seq_len: int,
+               features: bool = True) -> dict[str, np.ndarray]:
+  missing = [k for k in TOKEN_KEYS if k not in example]
+  if missing:
+    raise ConfigError(f"The dataset's examples lack {missing} (they hold {sorted(example)}):"
+                      " training needs token ids and a loss mask.")
   n = min(len(example["tokens"]), seq_len)
-  return {key: np.asarray(example[key][:n], _DTYPES[key]) for key in _sequence_keys(example)}
+  return {key: np.asarray(example[key][:n], _DTYPES[key])
+          for key in _sequence_keys(example, features)}
 
 
-def _padded(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
-  x = _truncated(example, seq_len)
+def _padded(example: Mapping[str, Any], seq_len: int, features: bool = True
+            ) -> dict[str, np.ndarray]:
+  x = _truncated(example, seq_len, features)
   n = len(x["tokens"])
   out = {}
-  for key in _sequence_keys(x):
+  for key in _sequence_keys(x, features):
     value = x[key]
     out[key] = np.zeros((seq_len,) + value.shape[1:], value.dtype)
     out[key][:n] = value
@@ -201,8 +224,8 @@ def _padded(example: Mapping[str, Any], seq_len: int) -> dict[str, np.ndarray]:
   return out
 
 
-def _from_packed(x: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  out = {key: x[key].astype(_DTYPES[key]) for key in _sequence_keys(x)}
+def _from_packed(x: Mapping[str, np.ndarray], features: bool = True) -> dict[str, np.ndarray]:
+  out = {key: x[key].astype(_DTYPES[key]) for key in _sequence_keys(x, features)}
   out.update(segment_ids=x["tokens_segment_ids"].astype(np.int32),
              positions=x["tokens_positions"].astype(np.int32))
   return out
@@ -223,6 +246,8 @@ def make_dataset(
     num_packing_bins: int | None = None,
     worker_count: int = 0,
     max_examples: int = 0,
+    heldout_examples: int = 0,
+    features: bool = True,
     source: Any = None,
 ) -> grain.IterDataset:
   """The pipeline as a Grain `IterDataset` (`make_train_iterator` iterates it).
@@ -241,6 +266,10 @@ def make_dataset(
     worker_count: Grain worker processes (0 = in this process).
     max_examples: train on the split's first N examples only (0 = all): nested
       subsets of one dataset (data-scaling runs), the same N for every process.
+    heldout_examples: the split's last N examples are held out (never
+      trained on; `heldout_batches` reads them).
+    features: False = token ids, loss mask, segments and positions only (online
+      training: the target computes the rest in the train step).
     source: a random-access source to use instead of `path` (tests).
   """
   if shard_index is None or shard_count is None:
@@ -255,12 +284,14 @@ def make_dataset(
     raise ConfigError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}.")
   if max_examples < 0:
     raise ConfigError(f"max_examples must be >= 0 (0 = every example), got {max_examples}.")
-  src = source if source is not None else data_source(path, split=split)
+  src = source if source is not None else data_source(path, split=split, features=features)
   ds = grain.MapDataset.source(src)
+  ds = ds[:_trainable(len(ds), heldout_examples=heldout_examples, split=split)]
   if max_examples:
     if max_examples > len(ds):
       raise ConfigError(f"max_examples={max_examples} but the {split!r} split holds {len(ds)}"
-                        " examples; build a larger dataset or lower max_examples.")
+                        f" examples{' besides the held-out ones' if heldout_examples else ''};"
+                        " build a larger dataset or lower max_examples.")
     ds = ds[:max_examples]
   if pack:
     n = len(ds) - len(ds) % shard_count
@@ -268,20 +299,65 @@ def make_dataset(
       raise ConfigError(f"The dataset has {len(ds)} examples, fewer than the {shard_count}"
                         " processes that share it.")
     ds = ds[:n][shard_index::shard_count].shuffle(seed=seed).repeat(num_epochs)
-    keys = _sequence_keys(src[0])
-    ds = ds.map(lambda x: _truncated(x, seq_len)).to_iter_dataset()
+    keys = _sequence_keys(src[0], features)
+    ds = ds.map(lambda x: _truncated(x, seq_len, features)).to_iter_dataset()
     lengths = {k: seq_len for k in keys}
     ds = grain.experimental.FirstFitPackIterDataset(
         ds, length_struct=lengths, num_packing_bins=num_packing_bins or batch_size,
         seed=seed, shuffle_bins=True)
-    ds = ds.map(_from_packed).batch(batch_size, drop_remainder=True)
+    ds = ds.map(lambda x: _from_packed(x, features)).batch(batch_size, drop_remainder=True)
   else:
-    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(lambda x: _padded(x, seq_len))
+    ds = ds.shuffle(seed=seed).repeat(num_epochs).map(lambda x: _padded(x, seq_len, features))
     ds = process_rows(ds, batch_size=batch_size, shard_index=shard_index,
                       shard_count=shard_count).to_iter_dataset()
   if worker_count > 0:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
   return ds
+
+
+def _trainable(n: int, *, heldout_examples: int, split: str) -> int:
+  """How many of a split's n examples training reads (the rest are held out)."""
+  if heldout_examples < 0:
+    raise ConfigError(f"heldout_examples must be >= 0, got {heldout_examples}.")
+  if heldout_examples >= n:
+    raise ConfigError(f"heldout_examples={heldout_examples} but the {split!r} split holds {n}"
+                      " examples: leave some to train on.")
+  return n - heldout_examples
+
+
+def heldout_batches(*, path: str | os.PathLike, seq_len: int, batch_size: int,
+                    heldout_examples: int, shard_index: int = 0, shard_count: int = 1,
+                    split: str = tr_lib.TRAIN, features: bool = True,
+                    source: Any = None) -> list[dict[str, np.ndarray]]:
+  """The held-out examples (the split's last N, never trained on) as padded batches.
+
+  One example per row, in the split's order; the last batch is completed with
+  empty rows (segment 0, loss mask 0: they count nowhere). Batch g holds rows
+  [g * batch_size, (g + 1) * batch_size) of the held-out examples; this
+  process reads its share of them, as training batches are split.
+
+  Returns:
+    Batches as `make_dataset` yields them (this process's rows), each with
+    "example" [rows] int32: the held-out example index of each row (-1 for
+    the empty ones).
+  """
+  if batch_size % shard_count:
+    raise ConfigError(f"The held-out batch of {batch_size} rows does not split over"
+                      f" {shard_count} processes.")
+  src = source if source is not None else data_source(path, split=split, features=features)
+  n = len(src)
+  first = _trainable(n, heldout_examples=heldout_examples, split=split)
+  rows = batch_size // shard_count
+  empty = {k: np.zeros_like(v) for k, v in _padded(src[first], seq_len, features).items()}
+  out = []
+  for start in range(0, heldout_examples, batch_size):
+    lo = start + shard_index * rows
+    examples = [(i, _padded(src[first + i], seq_len, features)) if i < heldout_examples
+                else (-1, empty) for i in range(lo, lo + rows)]
+    batch = {k: np.stack([x[k] for _, x in examples]) for k in examples[0][1]}
+    batch["example"] = np.asarray([i for i, _ in examples], np.int32)
+    out.append(batch)
+  return out
 
 
 def process_rows(ds: grain.MapDataset, *, batch_size: int, shard_index: int,

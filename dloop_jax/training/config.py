@@ -30,6 +30,8 @@ FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
 # trained one is restricted to a draft vocabulary afterwards, its weights kept
 # (`dloop_jax.drafters.with_draft_vocab`).
 FULL_VOCAB_KINDS = ("dspark", "domino")
+# eval.keep_best for the held-out teacher-forced tau (`heldout`).
+HELDOUT_BEST = "heldout_tau"
 
 
 def check_draft_vocab(kind: str, draft_vocab_size: Any) -> None:
@@ -77,6 +79,18 @@ def base_config() -> ml_collections.ConfigDict:
       seq_len=64,
       num_examples=256,  # tiny_random only
       max_examples=0,  # train on the first N examples of the split (0 = all)
+      # The last N examples of the training split, never trained on: the
+      # held-out teacher-forced metric (`eval.heldout_every_steps`).
+      heldout_examples=0,
+      # Online training: batches carry token ids only and the frozen target
+      # runs inside the train step (its taps, its distribution).
+      online=False,
+      # The online target's forward: "auto" = bfloat16 on accelerators,
+      # target.dtype on CPUs.
+      online_dtype="auto",
+      # Online soft targets: 0 = the target's full distribution; k = its k
+      # likeliest tokens (as datasets built with target_topk = k hold).
+      online_topk=0,
       shuffle_seed=0,
       worker_count=0,
       options=ml_collections.ConfigDict(),
@@ -124,6 +138,11 @@ def base_config() -> ml_collections.ConfigDict:
       # best keep_best (0 = train num_steps). A resumed run counts from the
       # best step's export, so a stopped run stays stopped.
       patience=0,
+      # Teacher-forced acceptance on the data.heldout_examples (acc_1..K, the
+      # tau they imply, standard errors over examples): every N steps and at
+      # the last (0 = never). keep_best may then be "heldout_tau".
+      heldout_every_steps=0,
+      heldout_batch_size=0,  # rows per held-out batch (0 = data.batch_size)
   ))
   # "module:attribute" of a `TrainHooks` replacing how the target, drafter,
   # loss and data are built (custom drafters, tests).
@@ -219,14 +238,38 @@ def validate(config: Mapping[str, Any]) -> None:
   if not isinstance(e["every_steps"], int) or e["every_steps"] < 0:
     raise ConfigError(f"eval.every_steps must be an int >= 0 (0 = no engine evaluation), got"
                       f" {e['every_steps']!r}.")
+  d = c["data"]
+  for key in ("heldout_examples", "online_topk"):
+    if not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 0:
+      raise ConfigError(f"data.{key} must be an int >= 0, got {d[key]!r}.")
+  if not isinstance(d["online"], bool):
+    raise ConfigError(f"data.online must be True or False, got {d['online']!r}.")
+  if d["online_dtype"] not in ("auto",) + DTYPES:
+    raise ConfigError(f"data.online_dtype must be 'auto' or one of {DTYPES}, got"
+                      f" {d['online_dtype']!r}.")
+  if d["online_topk"] and not d["online"]:
+    raise ConfigError("data.online_topk sets what the online target computes; offline, the"
+                      " dataset's target_topk (python -m train.data) does. Set data.online=True"
+                      " or online_topk=0.")
+  for key in ("heldout_every_steps", "heldout_batch_size"):
+    if not isinstance(e[key], int) or isinstance(e[key], bool) or e[key] < 0:
+      raise ConfigError(f"eval.{key} must be an int >= 0, got {e[key]!r}.")
+  if e["heldout_every_steps"] and not d["heldout_examples"]:
+    raise ConfigError("eval.heldout_every_steps measures the data.heldout_examples; set"
+                      " data.heldout_examples (e.g. 64) or heldout_every_steps=0.")
+  if e["keep_best"] == HELDOUT_BEST and not e["heldout_every_steps"]:
+    raise ConfigError(f"eval.keep_best={HELDOUT_BEST!r} needs eval.heldout_every_steps > 0 (and"
+                      " data.heldout_examples).")
   if e["every_steps"]:
     modes = tuple(e["modes"])
     if not modes or any(m not in ("sd", "dloop") for m in modes):
       raise ConfigError(f"eval.modes must be a non-empty subset of ('sd', 'dloop'), got {modes}.")
     best = e["keep_best"]
-    if best and best not in tuple(f"engine_tau_{m}" for m in modes):
+    measured = tuple(f"engine_tau_{m}" for m in modes) + (
+        (HELDOUT_BEST,) if e["heldout_every_steps"] else ())
+    if best and best not in measured:
       raise ConfigError(f"eval.keep_best={best!r} is not measured; use one of"
-                        f" {[f'engine_tau_{m}' for m in modes]} or '' (keep none).")
+                        f" {list(measured)} or '' (keep none).")
     for key in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
       if not isinstance(e[key], int) or e[key] < 1:
         raise ConfigError(f"eval.{key} must be an int >= 1, got {e[key]!r}.")

@@ -36,7 +36,8 @@ def base_weight(progress: jax.Array | float | None, curriculum_fraction: float) 
 
 def stage_loss(drafter: DominoDrafter, hidden: jax.Array, *, labels: jax.Array,
                prev: jax.Array, valid: jax.Array, weights: jax.Array,
-               lam: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+               lam: jax.Array, per_prediction=None
+               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """The Domino loss of one stage.
 
   Args:
@@ -48,6 +49,8 @@ def stage_loss(drafter: DominoDrafter, hidden: jax.Array, *, labels: jax.Array,
     valid: [B, A, gamma] bool, predictions that count.
     weights: [B, A, gamma] position weights.
     lam: scalar base weight lambda.
+    per_prediction: `(logits, nll) -> loss` per prediction (the distillation
+      terms, `objectives.soft_loss`), applied to both logits; None = nll.
 
   Returns:
     (loss, correct [B, A, gamma] bool from the corrected logits, {metric: scalar}).
@@ -57,8 +60,11 @@ def stage_loss(drafter: DominoDrafter, hidden: jax.Array, *, labels: jax.Array,
   @jax.checkpoint
   def terms(h):
     base, corrected = drafter.corrected_logits(h, prev)
-    nll = lambda logits: -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1),
-                                              labels[..., None], axis=-1)[..., 0]
+    def nll(logits):
+      out = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None],
+                                 axis=-1)[..., 0]
+      return out if per_prediction is None else per_prediction(logits, out)
+
     return nll(base), nll(corrected), jnp.argmax(corrected, axis=-1)
 
   nll_base, nll_corr, pred = terms(hidden)

@@ -34,7 +34,7 @@ from dloop_jax.training import metrics as metrics_lib
 DEFAULTS = dict(ce_weight=0.1, l1_weight=0.9, confidence_weight=1.0)
 
 
-def _topk_total_variation(logp: jax.Array, ids: jax.Array, probs: jax.Array) -> jax.Array:
+def topk_total_variation(logp: jax.Array, ids: jax.Array, probs: jax.Array) -> jax.Array:
   """1/2 ||p_draft - p_target||_1 with p_target on k tokens: [..., V], [..., k] -> [...].
 
   p_target = probs / sum(probs) on `ids`, 0 elsewhere; rows whose probs are all
@@ -82,7 +82,7 @@ def stage_loss(drafter: DSparkDrafter, hidden: jax.Array, *, labels: jax.Array,
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if target_probs is None and target_topk is not None:
-      tv = _topk_total_variation(logp, *target_topk)
+      tv = topk_total_variation(logp, *target_topk)
     else:
       p_t = (jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
              if target_probs is None else target_probs)

@@ -94,6 +94,11 @@ from dloop_jax.training import dspark_objective
 from dloop_jax.training import metrics as metrics_lib
 
 OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
+# Distillation settings of every objective but dspark (whose own terms read
+# the target's distribution: ce_weight / l1_weight). The defaults are hard
+# cross-entropy on the data's tokens.
+SOFT_DEFAULTS = dict(hard_weight=1.0, kl_weight=0.0, tv_weight=0.0,
+                     feature_regression_weight=0.0)
 # Subclasses first: a DSpark or Domino drafter is also a BlockDrafter.
 _BASE_FOR = {DSparkDrafter: "dspark", DominoDrafter: "domino", Eagle3Drafter: "eagle3_ttt",
              BlockDrafter: "block"}
@@ -137,7 +142,111 @@ def _batch(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
   if "target_topk_ids" in batch and "target_topk_probs" in batch:
     out["target_topk_ids"] = jnp.asarray(batch["target_topk_ids"]).astype(jnp.int32)
     out["target_topk_probs"] = jnp.asarray(batch["target_topk_probs"]).astype(jnp.float32)
+  if "target_hidden" in batch:
+    out["target_hidden"] = jnp.asarray(batch["target_hidden"]).astype(jnp.float32)
   return out
+
+
+# ------------------------------------------------------------ soft targets
+def soft_settings(cfg: Any) -> dict[str, float]:
+  """The distillation weights of `cfg` (`SOFT_DEFAULTS` where unset), validated."""
+  out = {}
+  for key, default in SOFT_DEFAULTS.items():
+    value = _get(cfg, key, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+      raise ConfigError(f"objective_cfg.{key} must be a number >= 0, got {value!r}.")
+    out[key] = float(value)
+  return out
+
+
+def target_needs(objective: str, cfg: Any, drafter: Any) -> tuple[bool, bool]:
+  """(reads the target's distribution, reads its last decoder layer's output).
+
+  What an online step must compute for `objective` with `cfg` on `drafter`:
+  the distribution for soft targets (kl_weight / tv_weight) and for DSpark
+  (its L1 and confidence terms), the last layer's output for feature
+  regression.
+  """
+  del objective
+  soft = soft_settings(cfg)
+  distribution = bool(soft["kl_weight"] or soft["tv_weight"]) or isinstance(drafter,
+                                                                             DSparkDrafter)
+  return distribution, bool(soft["feature_regression_weight"])
+
+
+def has_target_distribution(batch: Mapping[str, Any]) -> bool:
+  return "target_logits" in batch or ("target_topk_ids" in batch and "target_topk_probs" in batch)
+
+
+def _target_dist(b: Mapping[str, jax.Array], at) -> tuple | None:
+  """The target's distribution of each label: ("logits", [..., V]) or ("topk", ids, probs).
+
+  `at` maps a [B, T, ...] array (the target's distribution after reading
+  tokens[t]) to the labels' shape (the shift or gather that reads, for each
+  label, the distribution after the token before it).
+  """
+  if "target_logits" in b:
+    return ("logits", at(b["target_logits"]))
+  if "target_topk_ids" in b:
+    return ("topk", at(b["target_topk_ids"]), at(b["target_topk_probs"]))
+  return None
+
+
+def _soft_terms(drafter, logp: jax.Array, dist: tuple) -> tuple[jax.Array, jax.Array]:
+  """(KL(p_target || p_draft), TV(p_target, p_draft)) per prediction.
+
+  logp: [..., Vd] the drafter's log-probabilities over its draft vocabulary.
+  With a reduced draft vocabulary the target's distribution is renormalized
+  over the draft vocabulary (EAGLE-3's training: the target's logits at the
+  draft ids, softmaxed), the distribution the drafter can match. Top-k
+  targets are the k likeliest tokens renormalized, zero elsewhere.
+  """
+  reduced = bool(getattr(drafter, "reduced_vocab", False))
+  if dist[0] == "logits":
+    target_logits = dist[1]
+    if reduced:
+      target_logits = jnp.take(target_logits, drafter.d2t[...], axis=-1)
+    logp_t = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
+    p_t = jnp.exp(logp_t)
+    kl = jnp.sum(p_t * (logp_t - logp), axis=-1)
+    tv = 0.5 * jnp.sum(jnp.abs(p_t - jnp.exp(logp)), axis=-1)
+    return kl, tv
+  ids, probs = dist[1], dist[2].astype(jnp.float32)
+  if reduced:
+    draft_ids = drafter.to_draft_ids(ids)
+    probs = jnp.where(draft_ids >= 0, probs, 0.0)
+    ids = jnp.maximum(draft_ids, 0)
+  total = jnp.sum(probs, axis=-1, keepdims=True)
+  p_t = probs / jnp.where(total > 0, total, 1.0)
+  logq = jnp.take_along_axis(logp, ids, axis=-1)
+  kl = jnp.sum(jnp.where(p_t > 0, p_t * (jnp.log(jnp.where(p_t > 0, p_t, 1.0)) - logq), 0.0),
+               axis=-1)
+  tv = dspark_objective.topk_total_variation(logp, ids, p_t)
+  return kl, tv
+
+
+def soft_loss(drafter, dist: tuple | None, soft: Mapping[str, float]):
+  """`(logits [..., Vd], nll [...]) -> per-prediction loss` of the distillation settings.
+
+  hard_weight * nll + kl_weight * KL + tv_weight * TV; `nll` unchanged when
+  only the hard term is on (the default, today's cross-entropy bit for bit).
+  """
+  kl_w, tv_w, hard_w = soft["kl_weight"], soft["tv_weight"], soft["hard_weight"]
+  if kl_w or tv_w:
+    if dist is None:
+      raise ConfigError("objective_cfg.kl_weight / tv_weight distill the target's distribution,"
+                        " which these batches lack: train online (data.online=True), or build"
+                        " the dataset with target_topk > 0 (python -m train.data"
+                        " --config.target_topk=K).")
+
+  def per_prediction(logits: jax.Array, nll: jax.Array) -> jax.Array:
+    out = nll if hard_w == 1.0 else hard_w * nll
+    if kl_w or tv_w:
+      kl, tv = _soft_terms(drafter, jax.nn.log_softmax(logits, axis=-1), dist)
+      out = out + kl_w * kl + tv_w * tv
+    return out
+
+  return per_prediction
 
 
 def noisy_features(features: jax.Array, key: jax.Array, *, scale: float) -> jax.Array:
@@ -156,7 +265,7 @@ def _shift(x: jax.Array, offset: int, fill: int = 0) -> jax.Array:
 
 
 def _ce_terms(drafter, hidden: jax.Array, labels: jax.Array, valid: jax.Array,
-              weights: jax.Array | None = None) -> tuple[jax.Array, ...]:
+              weights: jax.Array | None = None, per_prediction=None) -> tuple[jax.Array, ...]:
   """Cross-entropy pieces of predictions `hidden` [..., D] of target ids `labels` [...].
 
   Labels outside a reduced draft vocabulary cannot be drafted: they are left
@@ -164,8 +273,11 @@ def _ce_terms(drafter, hidden: jax.Array, labels: jax.Array, valid: jax.Array,
   recomputed in the backward pass (`jax.checkpoint`) instead of stored: at
   [B, T, Vd] per step they would dominate training memory.
 
+  `per_prediction`: `(logits, nll) -> loss` per prediction (`soft_loss`);
+  None = nll.
+
   Returns:
-    (sum of weighted nll, sum of weights of loss terms, correct [...] bool,
+    (sum of weighted losses, sum of weights of loss terms, correct [...] bool,
     valid [...] bool).
   """
   draft_labels = drafter.to_draft_ids(labels)
@@ -176,6 +288,8 @@ def _ce_terms(drafter, hidden: jax.Array, labels: jax.Array, valid: jax.Array,
     logits = drafter.draft_logits(h)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, jnp.maximum(draft_labels, 0)[..., None], axis=-1)[..., 0]
+    if per_prediction is not None:
+      nll = per_prediction(logits, nll)
     return nll, jnp.argmax(logits, axis=-1)
 
   nll, pred = nll_and_pred(hidden)
@@ -187,38 +301,72 @@ def _ce_terms(drafter, hidden: jax.Array, labels: jax.Array, valid: jax.Array,
 
 
 # ------------------------------------------------------------------- EAGLE-3
-def _ttt_step_stats(drafter: Eagle3Drafter, b: dict[str, jax.Array], num_steps: int):
-  """Per-step (mean nll [K], correct [K], counted [K]) of a `num_steps` TTT unroll."""
+def _smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
+  """Mean over the last axis of the smooth-L1 (Huber, delta 1) distance: [..., D] -> [...]."""
+  d = jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))
+  return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
+
+
+def _ttt_step_stats(drafter: Eagle3Drafter, b: dict[str, jax.Array], num_steps: int, *,
+                    soft: Mapping[str, float] | None = None, per_row: bool = False):
+  """Per-step (mean loss [K], correct [K], counted [K]) of a `num_steps` TTT unroll.
+
+  `soft`: distillation settings (`soft_settings`; None = hard CE). With
+  `feature_regression_weight` step i also regresses the drafter's hidden
+  state onto the target's last-layer output after reading tokens[t + 1 + i]
+  (EAGLE-1's feature loss: the drafter's state stands for that feature).
+  `per_row`: correct and counted [K, B] per row instead.
+  """
   tokens, seg = b["tokens"], b["segment_ids"]
+  soft = soft or SOFT_DEFAULTS
   hiddens = drafter.ttt_hiddens(tokens=tokens, features=b["features"], positions=b["positions"],
                                 segment_ids=seg, num_steps=num_steps)
   t = tokens.shape[1]
+  reduce = (lambda x: jnp.sum(x, axis=1)) if per_row else jnp.sum
   losses, correct, counted = [], [], []
   for i in range(num_steps):
-    # Step i at index t predicts tokens[t + 2 + i].
+    # Step i at index t predicts tokens[t + 2 + i], which the target predicted
+    # after reading tokens[t + 1 + i].
     offset = 2 + i
     labels = _shift(tokens, offset)
     valid = ((jnp.arange(t)[None, :] + offset < t) & (_shift(b["loss_mask"], offset) == 1)
              & (_shift(seg, offset, fill=-1) == seg) & (seg > 0))
-    nll_sum, w_sum, ok, val = _ce_terms(drafter, hiddens[i], labels, valid)
-    losses.append(metrics_lib.safe_ratio(nll_sum, w_sum))
-    correct.append(jnp.sum(ok))
-    counted.append(jnp.sum(val))
+    dist = _target_dist(b, lambda x, i=i: _shift(x, 1 + i))
+    nll_sum, w_sum, ok, val = _ce_terms(drafter, hiddens[i], labels, valid,
+                                        per_prediction=soft_loss(drafter, dist, soft))
+    loss = metrics_lib.safe_ratio(nll_sum, w_sum)
+    if soft["feature_regression_weight"]:
+      if "target_hidden" not in b:
+        raise ConfigError("objective_cfg.feature_regression_weight regresses onto the target's"
+                          " last-layer output, which stored datasets do not hold: train online"
+                          " (data.online=True).")
+      reg = _smooth_l1(hiddens[i], _shift(b["target_hidden"], 1 + i))
+      w = valid.astype(jnp.float32)
+      loss = loss + soft["feature_regression_weight"] * metrics_lib.safe_ratio(
+          jnp.sum(reg * w), jnp.sum(w))
+    losses.append(loss)
+    correct.append(reduce(ok))
+    counted.append(reduce(val))
   return jnp.stack(losses), jnp.stack(correct), jnp.stack(counted)
 
 
 def eagle3_ttt_loss(drafter: Eagle3Drafter, batch: Mapping[str, jax.Array], *,
-                    ttt_steps: int = 7, step_decay: float = 0.8):
-  """EAGLE-3 training-time test: sum_i step_decay^i * CE of unrolled step i."""
+                    ttt_steps: int = 7, step_decay: float = 0.8,
+                    soft: Mapping[str, float] | None = None):
+  """EAGLE-3 training-time test: sum_i step_decay^i * loss of unrolled step i.
+
+  The loss of a step is CE, or with `soft` (`soft_settings`) the distillation
+  terms and the feature regression.
+  """
   b = _batch(batch)
-  losses, correct, counted = _ttt_step_stats(drafter, b, ttt_steps)
+  losses, correct, counted = _ttt_step_stats(drafter, b, ttt_steps, soft=soft)
   weights = step_decay ** jnp.arange(ttt_steps, dtype=jnp.float32)
   loss = jnp.sum(weights * losses)
   return loss, {"loss": loss, **metrics_lib.position_metrics(correct, counted)}
 
 
-def _eagle3_loop_branch(drafter, b, *, stages: int, gamma: int, step_decay: float):
-  losses, correct, counted = _ttt_step_stats(drafter, b, stages * gamma)
+def _eagle3_loop_branch(drafter, b, *, stages: int, gamma: int, step_decay: float, soft=None):
+  losses, correct, counted = _ttt_step_stats(drafter, b, stages * gamma, soft=soft)
   decay = step_decay ** jnp.arange(gamma, dtype=jnp.float32)
   first = jnp.sum(decay * losses[:gamma])
   last = jnp.sum(decay * losses[-gamma:])
@@ -269,18 +417,30 @@ def _stage_targets(b, anchors, ok, *, stage: int, gamma: int) -> dict[str, jax.A
               prev=take(tokens, pos_c - 1), pos=pos_c)
 
 
+def _label_dist(b, y) -> tuple | None:
+  """The target's distribution of each label of `_stage_targets` (after reading tokens[p - 1])."""
+  take = jax.vmap(lambda row, p: row[p])
+  return _target_dist(b, lambda x: take(x, y["pos"] - 1))
+
+
 def _block_stage_stats(drafter: BlockDrafter, b, anchors, ok, h: jax.Array, *, stage: int,
-                       gamma: int):
-  """(weighted mean nll, correct [gamma], counted [gamma]) of one stage's outputs h [B, A, gamma, D]."""
+                       gamma: int, cfg: Any = None, per_row: bool = False):
+  """(weighted mean loss, correct [gamma], counted [gamma]) of one stage's outputs h [B, A, gamma, D].
+
+  `per_row`: correct and counted [B, gamma] per row instead.
+  """
   y = _stage_targets(b, anchors, ok, stage=stage, gamma=gamma)
-  nll_sum, w_sum, correct, valid = _ce_terms(drafter, h, y["labels"], y["valid"], y["weights"])
-  return (metrics_lib.safe_ratio(nll_sum, w_sum), jnp.sum(correct, axis=(0, 1)),
-          jnp.sum(valid, axis=(0, 1)))
+  per_prediction = soft_loss(drafter, _label_dist(b, y), soft_settings(cfg))
+  nll_sum, w_sum, correct, valid = _ce_terms(drafter, h, y["labels"], y["valid"], y["weights"],
+                                             per_prediction=per_prediction)
+  axes = 1 if per_row else (0, 1)
+  return (metrics_lib.safe_ratio(nll_sum, w_sum), jnp.sum(correct, axis=axes),
+          jnp.sum(valid, axis=axes))
 
 
 def _head_stage_stats(drafter, b, anchors, ok, h: jax.Array, *, stage: int, gamma: int,
                       cfg: Any = None, progress: jax.Array | None = None,
-                      extras: list | None = None):
+                      extras: list | None = None, per_row: bool = False):
   """`_block_stage_stats` for DSpark / Domino (their own objectives); metrics go to `extras`."""
   y = _stage_targets(b, anchors, ok, stage=stage, gamma=gamma)
   common = dict(labels=y["labels"], prev=y["prev"], valid=y["valid"], weights=y["weights"])
@@ -299,16 +459,22 @@ def _head_stage_stats(drafter, b, anchors, ok, h: jax.Array, *, stage: int, gamm
                                                    **common)
   else:
     lam = domino_objective.base_weight(progress, float(_get(cfg, "curriculum_fraction", 0.5)))
-    loss, correct, m = domino_objective.stage_loss(drafter, h, lam=lam, **common)
+    soft = soft_settings(cfg)
+    per_prediction = (None if soft == SOFT_DEFAULTS
+                      else soft_loss(drafter, _label_dist(b, y), soft))
+    loss, correct, m = domino_objective.stage_loss(drafter, h, lam=lam,
+                                                   per_prediction=per_prediction, **common)
   if extras is not None:
     extras.append(m)
-  return loss, jnp.sum(correct, axis=(0, 1)), jnp.sum(y["valid"], axis=(0, 1))
+  axes = 1 if per_row else (0, 1)
+  return loss, jnp.sum(correct, axis=axes), jnp.sum(y["valid"], axis=axes)
 
 
-def _stage_stats_for(drafter, cfg, progress, extras=None):
+def _stage_stats_for(drafter, cfg, progress, extras=None, per_row=False):
   if isinstance(drafter, (DSparkDrafter, DominoDrafter)):
-    return functools.partial(_head_stage_stats, cfg=cfg, progress=progress, extras=extras)
-  return _block_stage_stats
+    return functools.partial(_head_stage_stats, cfg=cfg, progress=progress, extras=extras,
+                             per_row=per_row)
+  return functools.partial(_block_stage_stats, cfg=cfg, per_row=per_row)
 
 
 def _block_setup(drafter: BlockDrafter, batch, key, cfg):
@@ -377,8 +543,10 @@ def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, 
     b = _batch(batch)
     gamma = int(_get(cfg, "block_size", drafter.block_size))
     decay = float(_get(cfg, "step_decay", 0.8))
+    soft = soft_settings(cfg)
     branches = [lambda s=s: _eagle3_loop_branch(drafter, b, stages=s, gamma=gamma,
-                                                step_decay=decay) for s in range(1, n + 1)]
+                                                step_decay=decay, soft=soft)
+                for s in range(1, n + 1)]
   else:
     b, gamma, anchors, ok = _block_setup(drafter, batch, anchor_key, cfg)
     # The fine-tune starts from a trained drafter: no base-anchored curriculum
@@ -421,6 +589,16 @@ def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objectiv
   if base in config_lib.FULL_VOCAB_KINDS and drafter.reduced_vocab:
     # Their losses would index Vd logits with target ids.
     config_lib.check_draft_vocab(base, drafter.spec.draft_vocab_size)
+  soft = soft_settings(cfg)
+  if base == "dspark" and soft != SOFT_DEFAULTS:
+    raise ConfigError("A dspark drafter distills the target's distribution with its own terms:"
+                      " set objective_cfg.ce_weight / l1_weight (not"
+                      f" {sorted(k for k in SOFT_DEFAULTS if soft[k] != SOFT_DEFAULTS[k])}).")
+  if soft["feature_regression_weight"] and base != "eagle3_ttt":
+    raise ConfigError("objective_cfg.feature_regression_weight regresses an EAGLE-3 drafter's"
+                      f" hidden state onto the target's next feature; a {base} drafter has none.")
+  if (soft["kl_weight"] or soft["tv_weight"]) and not has_target_distribution(batch):
+    soft_loss(drafter, None, soft)  # raises: what to do about it
   noise = _get(cfg, "feature_noise", 0.0)
   if isinstance(noise, bool) or not isinstance(noise, numbers.Real) or not noise >= 0:
     raise ConfigError(f"feature_noise must be a number >= 0 (0 = none), got {noise!r}.")
@@ -440,5 +618,6 @@ def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objectiv
                       f" {base!r} (or 'loop_aware').")
   if objective == "eagle3_ttt":
     return eagle3_ttt_loss(drafter, batch, ttt_steps=int(_get(cfg, "ttt_steps", 7)),
-                           step_decay=float(_get(cfg, "step_decay", 0.8)))
+                           step_decay=float(_get(cfg, "step_decay", 0.8)),
+                           soft=soft_settings(cfg))
   return block_loss(drafter, batch, key, cfg=cfg, progress=progress)

@@ -52,6 +52,7 @@ from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
 from dloop_jax.training import distributed as distributed_lib
 from dloop_jax.training import engine_eval as engine_eval_lib
+from dloop_jax.training import online as online_lib
 from dloop_jax.training import optim as optim_lib
 from dloop_jax.training import sharding as sharding_lib
 
@@ -94,6 +95,13 @@ class TrainHooks:
       counts` of the training tokens the drafter predicts; a fresh drafter
       with a reduced draft vocabulary uses the most frequent ones.
       `max_examples` is passed when `data.max_examples` is set.
+    heldout_batches: `(config, *, data_info, batch_size, shard_index,
+      shard_count) -> [batch]` the held-out examples (`data.heldout_examples`),
+      one per row, each batch with "example" [rows] (-1: empty row); see
+      `pipeline.heldout_batches`.
+
+  With `data.online`, `check_dataset` is passed `online=True` when it takes
+  that parameter (the taps are then the target's, not the data's).
   """
 
   build_target: Callable[..., Target]
@@ -102,6 +110,7 @@ class TrainHooks:
   make_iterator: Callable[..., tuple[Iterator[Mapping[str, np.ndarray]], Any]]
   check_dataset: Callable[..., None]
   token_counts: Callable[..., np.ndarray] | None = None  # None: default_token_counts
+  heldout_batches: Callable[..., list] | None = None  # None: default_heldout_batches
 
 
 def tiny_target_name(target_config: Mapping[str, Any]) -> str:
@@ -190,13 +199,29 @@ def default_make_iterator(config, *, target: Target, drafter, workdir, batch_siz
   iterator = pipeline.make_train_iterator(
       path=path, batch_size=batch_size, seq_len=int(d.seq_len), seed=int(d.shuffle_seed),
       shard_index=shard_index, shard_count=shard_count, worker_count=int(d.worker_count),
-      max_examples=int(d.max_examples), **row_options)
+      max_examples=int(d.max_examples), heldout_examples=int(d.heldout_examples),
+      features=not d.online, **row_options)
   return iterator, path
 
 
-def default_check_dataset(data_info, *, drafter, target: Target):
-  _pipeline().check_dataset_matches(data_info, taps=tuple(drafter.taps),
-                                    target_config=target.model.config, target_name=target.name)
+def default_check_dataset(data_info, *, drafter, target: Target, online: bool = False):
+  """Raises ConfigError unless the dataset fits; `online`: its tokens only (not its taps)."""
+  _pipeline().check_dataset_matches(data_info, taps=None if online else tuple(drafter.taps),
+                                    target_config=target.model.config,
+                                    target_name=None if online else target.name)
+
+
+def default_heldout_batches(config, *, data_info, batch_size: int, shard_index: int,
+                            shard_count: int) -> list[dict[str, np.ndarray]]:
+  """The run's held-out examples (`data.heldout_examples`) as padded batches."""
+  if not isinstance(data_info, (str, os.PathLike)):
+    raise ConfigError("data.heldout_examples needs the dataset's path from the data hook; it"
+                      f" returned {type(data_info).__name__}: set TrainHooks.heldout_batches.")
+  d = config.data
+  return _pipeline().heldout_batches(
+      path=data_info, seq_len=int(d.seq_len), batch_size=batch_size,
+      heldout_examples=int(d.heldout_examples), shard_index=shard_index,
+      shard_count=shard_count, features=not d.online)
 
 
 def default_token_counts(data_info, *, vocab_size: int, max_examples: int = 0) -> np.ndarray:
@@ -363,6 +388,24 @@ class Trainer:
     self.step = 0
     self._steps: dict[Any, Callable] = {}
     self.base_key = jax.random.key(int(config.seed))
+    self.online = self._online_target() if config.data.online else None
+
+  def _online_target(self) -> online_lib.OnlineTarget:
+    """The target's weights on the mesh for the online step, computing what the objective reads."""
+    c = self.config
+    needs_fn = _library("dloop_jax.training.objectives", "target_needs")
+    distribution, last_hidden = needs_fn(c.objective, c.objective_cfg, self.drafter)
+    dtype = online_lib.resolve_dtype(c.data.online_dtype, target_dtype=c.target.dtype)
+    needs = online_lib.Needs(taps=tuple(int(t) for t in self.drafter.taps),
+                             distribution=distribution, topk=int(c.data.online_topk),
+                             last_hidden=last_hidden)
+    target = online_lib.OnlineTarget(self.target.model, mesh=self.mesh, dtype=dtype, needs=needs)
+    logging.info("Online training: the target (%s) computes taps %s%s%s in the train step.",
+                 dtype, list(needs.taps),
+                 (f", its top-{needs.topk} distribution" if needs.topk else
+                  ", its distribution") if distribution else "",
+                 ", its last layer's output" if last_hidden else "")
+    return target
 
   # ------------------------------------------------------- draft vocabulary
   @property
@@ -462,10 +505,18 @@ class Trainer:
                         " settings.")
 
   # ------------------------------------------------------------- train step
-  def _compiled_step(self, batch: Mapping[str, jax.Array]) -> Callable:
-    signature = tuple(sorted((k, v.ndim) for k, v in batch.items()))
+  def _compiled_step(self, batch: Mapping[str, jax.Array], *, grads_only: bool = False
+                     ) -> Callable:
+    """The jitted step for batches like `batch` (compiled once per batch layout).
+
+    `grads_only`: `(params, frozen, model_state, rng_state, target_state,
+    batch, step) -> (loss, metrics, grads)` without the update (the
+    online / offline equivalence checks).
+    """
+    signature = (grads_only,) + tuple(sorted((k, v.ndim) for k, v in batch.items()))
     if signature in self._steps:
       return self._steps[signature]
+    online = self.online
     templates = self._templates
     graphdef, tx, schedule = self.graphdef, self.tx, self.schedule
     loss_fn, objective = self.hooks.loss_fn, self.config.objective
@@ -477,8 +528,12 @@ class Trainer:
     num_steps = max(int(self.config.num_steps), 1)
     compute_dtype = jnp.dtype(self.config.compute_dtype)
 
-    def train_step(params, opt_state, frozen, model_state, rng_state, batch, step):
+    def loss_and_grads(params, frozen, model_state, rng_state, target_state, batch, step):
       key = jax.random.fold_in(base_key, step)
+      if online is not None:
+        # The frozen target first: its outputs are constants of the loss
+        # (`target_state` is not an argument of the differentiated function).
+        batch = dict(batch, **online.outputs(target_state, batch))
       # Mixed precision: the forward and backward passes read float copies in
       # compute_dtype (`frozen` comes cast: `frozen_for_step`); the gradients
       # flow back through the casts to the weights' own dtype, which the
@@ -496,6 +551,11 @@ class Trainer:
         return loss, metrics
 
       (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+      return loss, metrics, grads
+
+    def train_step(params, opt_state, frozen, model_state, rng_state, target_state, batch, step):
+      loss, metrics, grads = loss_and_grads(params, frozen, model_state, rng_state, target_state,
+                                            batch, step)
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       metrics = dict(metrics)
@@ -505,31 +565,56 @@ class Trainer:
 
     batch_shardings = {k: sharding_lib.batch_sharding(self.mesh, v.ndim)
                        for k, v in batch.items()}
-    fn = jax.jit(
-        train_step,
-        in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings,
-                      self.model_state_shardings, self.replicated, batch_shardings,
-                      self.replicated),
-        out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
-        # The old state is dead once the step returns: update it in place.
-        donate_argnums=(0, 1),
-    )
+    target_shardings = online.shardings if online is not None else None
+    if grads_only:
+      fn = jax.jit(
+          loss_and_grads,
+          in_shardings=(self.param_shardings, self.frozen_shardings, self.model_state_shardings,
+                        self.replicated, target_shardings, batch_shardings, self.replicated),
+          out_shardings=(self.replicated, self.replicated, self.param_shardings))
+    else:
+      fn = jax.jit(
+          train_step,
+          in_shardings=(self.param_shardings, self.opt_shardings, self.frozen_shardings,
+                        self.model_state_shardings, self.replicated, target_shardings,
+                        batch_shardings, self.replicated),
+          out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+          # The old state is dead once the step returns: update it in place.
+          donate_argnums=(0, 1),
+      )
     self._steps[signature] = fn
     return fn
 
-  def train_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-    """One update on a process-local numpy batch; returns device metrics."""
+  def _placed(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     rows = {np.shape(v)[0] for v in batch.values()}
     if rows != {self.local_batch_size}:
       raise ConfigError(f"The data pipeline yielded batches of {sorted(rows)} rows; this"
                         f" process needs {self.local_batch_size} (data.batch_size"
                         f" {self.config.data.batch_size} over {jax.process_count()} processes).")
-    placed = sharding_lib.put_batch(batch, self.mesh)
+    if self.online is not None:
+      # Token ids only: stored features (if the data hold any) stay on the host.
+      batch = online_lib.input_batch(batch)
+    return sharding_lib.put_batch(batch, self.mesh)
+
+  def loss_and_grads(self, batch: Mapping[str, np.ndarray]
+                     ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
+    """(loss, metrics, gradients {flat name: array}) of the current step on `batch`; no update."""
+    placed = self._placed(batch)
+    fn = self._compiled_step(placed, grads_only=True)
+    with sharding_lib.mesh_context(self.mesh, self.rules):
+      return fn(self.params, self.frozen_for_step, self.model_state, self.rng_state,
+                None if self.online is None else self.online.state, placed,
+                jnp.asarray(self.step, jnp.int32))
+
+  def train_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """One update on a process-local numpy batch; returns device metrics."""
+    placed = self._placed(batch)
     fn = self._compiled_step(placed)
     with sharding_lib.mesh_context(self.mesh, self.rules):
       self.params, self.opt_state, metrics = fn(
           self.params, self.opt_state, self.frozen_for_step, self.model_state, self.rng_state,
-          placed, jnp.asarray(self.step, jnp.int32))
+          None if self.online is None else self.online.state, placed,
+          jnp.asarray(self.step, jnp.int32))
     self.step += 1
     return metrics
 
@@ -770,6 +855,20 @@ def _restore_or_initialize(c: ml_collections.ConfigDict, trainer: "Trainer", *,
   return resumed_from, init_source, last
 
 
+def _check_soft_targets(c: ml_collections.ConfigDict, data_info: Any) -> None:
+  """Soft targets offline need a dataset holding the target's top-k (fails before training)."""
+  cfg = c.objective_cfg
+  soft = any(float(cfg.get(k) or 0) for k in ("kl_weight", "tv_weight"))
+  if c.data.online or not soft or not isinstance(data_info, (str, os.PathLike)):
+    return
+  meta = _pipeline().dataset_metadata(data_info)
+  if not int((meta.get("config") or {}).get("target_topk", 0) or meta.get("target_topk", 0) or 0):
+    raise ConfigError(
+        f"objective_cfg.kl_weight / tv_weight distill the target's distribution; the dataset at"
+        f" {data_info} was built without it (target_topk=0). Train online"
+        " (--config.data.online=True), or rebuild the dataset with target_topk > 0.")
+
+
 def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks | None = None,
           devices: list[jax.Device] | None = None) -> TrainResult:
   """Trains (or resumes training) a drafter in `workdir`; see the module docstring."""
@@ -784,7 +883,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
       c, target=trainer.target, drafter=trainer.drafter, workdir=workdir,
       batch_size=trainer.local_batch_size, shard_index=jax.process_index(),
       shard_count=jax.process_count())
-  hooks.check_dataset(data_info, drafter=trainer.drafter, target=trainer.target)
+  online_arg = ({"online": True} if c.data.online
+                and "online" in inspect.signature(hooks.check_dataset).parameters else {})
+  hooks.check_dataset(data_info, drafter=trainer.drafter, target=trainer.target, **online_arg)
+  _check_soft_targets(c, data_info)
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
                                        keep=int(c.checkpoint.keep),
