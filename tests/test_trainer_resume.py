@@ -23,8 +23,8 @@ NUM_STEPS = 40
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-def _command(workdir: str, every: int) -> list[str]:
-  return [sys.executable, "-m", "train", "--config", "configs/tiny_eagle3.py",
+def _command(workdir: str, every: int, *extra: str) -> list[str]:
+  return [sys.executable, "-m", "train", "--config", "configs/tiny_eagle3.py", *extra,
           "--workdir", workdir,
           f"--config.hooks={trainer_hooks.STANDIN}",
           f"--config.num_steps={NUM_STEPS}",
@@ -48,8 +48,8 @@ def env(tmp_path_factory):
   return e
 
 
-def _run(workdir: str, every: int, env: dict) -> subprocess.CompletedProcess:
-  proc = subprocess.run(_command(workdir, every), env=env, cwd=ROOT, capture_output=True,
+def _run(workdir: str, every: int, env: dict, *extra: str) -> subprocess.CompletedProcess:
+  proc = subprocess.run(_command(workdir, every, *extra), env=env, cwd=ROOT, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return proc
@@ -67,10 +67,11 @@ def _tmp_dirs(ckpt_dir: str) -> list[str]:
   return [n for n in os.listdir(ckpt_dir) if TMP_MARK in n]
 
 
-def _kill_when(workdir: str, every: int, env: dict, ready) -> tuple[list[int], list[str]]:
+def _kill_when(workdir: str, every: int, env: dict, ready, *extra: str
+               ) -> tuple[list[int], list[str]]:
   """Starts a run, SIGKILLs it once `ready(ckpt_dir)`; returns what was on disk then."""
   ckpt_dir = os.path.join(workdir, "checkpoints")
-  proc = subprocess.Popen(_command(workdir, every), env=env, cwd=ROOT,
+  proc = subprocess.Popen(_command(workdir, every, *extra), env=env, cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 240
   try:
@@ -156,3 +157,21 @@ def test_rerun_of_finished_run_is_a_no_op(tmp_path, env, reference):
   for k in before:
     np.testing.assert_array_equal(before[k], after[k])
   assert os.path.exists(os.path.join(reference, "export", "drafter.json"))
+
+
+ONLINE = "--config.data.online=True"
+
+
+def test_online_kill_after_checkpoint_resumes_bitwise(tmp_path, env):
+  """Online (the target in the train step): the same kill and resume, the same guarantee."""
+  reference = str(tmp_path / "online_reference")
+  _run(reference, 4, env, ONLINE)
+  workdir = str(tmp_path / "online_killed")
+  steps, _ = _kill_when(workdir, 4, env, lambda d: any(s >= 8 for s in _steps(d)), ONLINE)
+  assert steps and max(steps) < NUM_STEPS
+  proc = _run(workdir, 4, env, ONLINE)
+  assert "Online training" in proc.stderr
+  resumed = re.search(r"Resumed from \S+ step (\d+)", proc.stderr)
+  assert resumed, proc.stderr[-3000:]
+  assert int(resumed.group(1)) == max(steps)
+  _assert_same_run(workdir, reference)

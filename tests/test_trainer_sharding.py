@@ -1,7 +1,7 @@
 """Sharded training on 8 simulated CPU devices matches 1 device, and two
 processes with 4 CPU devices each (gloo collectives on localhost) train as one
 process with 8 devices does, through a SIGKILL of both processes after a
-checkpoint and a resume.
+checkpoint and a resume (online: the target inside the train step).
 
 Runs in subprocesses: the device count is fixed when jax first initializes,
 and the pytest process may already have done so with one device.
@@ -278,6 +278,7 @@ def test_killed_after_checkpoint_and_resumed(runs):
   assert runs["killed_metrics"] == list(range(1, KILL_AFTER + 1))
   for i, err in enumerate(runs["resumed_stderr"]):
     assert "jax.distributed (explicit): process %d of 2" % i in err, err[-3000:]
+    assert "Online training" in err, err[-3000:]
     resumed = re.search(r"Resumed from \S+ step (\d+)", err)
     assert resumed and int(resumed.group(1)) == KILL_AFTER, (i, err[-3000:])
   step_dir = os.path.join(runs["two"], "checkpoints", str(NUM_STEPS))

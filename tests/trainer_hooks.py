@@ -60,9 +60,12 @@ def tiny_config(*, recipe: str = "", hooks: str = STANDIN, **overrides) -> Confi
 
 # The multi-process test's run: every step logged, and the weights and Adam
 # moments split over all 8 devices (fsdp), so each process holds and
-# checkpoints only its half of every large array.
+# checkpoints only its half of every large array. Online: the target runs in
+# the train step, its weights on both processes' devices, each process
+# feeding the token ids of its own rows (the offline step's sharding is
+# checked in one process, `test_trainer_sharding.results`).
 MULTIHOST_SETTINGS = {"log_every_steps": 1, "mesh__data": 1, "mesh__fsdp": 8,
-                      "sharding__min_shard_size": 256}
+                      "sharding__min_shard_size": 256, "data__online": True}
 
 
 def tiny_flags(**overrides) -> list[str]:
