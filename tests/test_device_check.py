@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dloop_jax.decoding import GenerationOutput, RowStats
 from infer.device_check import __main__ as device_check
 from infer.device_check import checks, report
 
@@ -38,7 +39,6 @@ def test_tiny_check_passes_and_writes_its_files(tmp_path, capsys):
   speed = result["speed"]["4"]
   assert set(speed["cost_ms"]) == {"1", "5"} and speed["drafter"]["stage_ms"] > 0
   for name in ("ar", "ar_fixed", "dloop"):
-    assert speed[name]["shared_program"], name  # the short run reused the long run's program
     assert speed[name]["iterations"] == [165, 119] and speed[name]["isolated_ms"] > 0
   prefill = {p["length"]: p for p in result["prefill"]}
   assert prefill[64]["tokens_per_s"] > 0 and "context window of 256" in prefill[256]["skipped"]
@@ -65,6 +65,21 @@ def test_different_tokens_are_a_failure(tiny):
   assert not checks.compare_outputs(reference=[[7]], got=[[8]], prompts=[[1]], exact=False)["ok"]
   assert not checks.compare_outputs(reference=[[7], [8]], got=[[7]], prompts=prompts,
                                     exact=True)["ok"]
+
+
+def test_statistics_that_do_not_add_up_are_reported():
+  row = dict(new_tokens=3, rounds=2, committed_in_rounds=2, drafted=4, verified=4, accepted=0,
+             target_tokens=10, stage_histogram=[0, 2])
+  out = GenerationOutput(tokens=[[1, 2, 3]], rows=[RowStats(**row)], seconds=1.0,
+                         compile_seconds=0.0, mode="sd")
+  assert checks.stats_problems(out, max_new_tokens=3, vocab_size=64, fixed_width=5) == []
+  bad = GenerationOutput(tokens=[[1, 2, 70]], rows=[RowStats(**dict(
+      row, accepted=5, stage_histogram=[0, 1], target_tokens=9))], seconds=1.0,
+                         compile_seconds=0.0, mode="sd")
+  problems = " | ".join(checks.stats_problems(bad, max_new_tokens=3, vocab_size=64,
+                                              fixed_width=5))
+  for words in ("outside [0, 64)", "accepted 5, verified 4", "sums to 1", "fixed width 5"):
+    assert words in problems, problems
 
 
 def test_a_failed_check_makes_the_verdict_fail():

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-from infer.device_check.plans import PLANS, TINY_XLA_FLAGS, Plan
+from infer.device_check.plans import PLANS, TINY_XLA_FLAGS
 
 
 def _parse(argv):
@@ -64,7 +64,6 @@ def run(args, log) -> dict:
   input."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from infer.device_check import checks, report, speed  # pylint: disable=g-import-not-at-top
   from infer.profile import measure, presets  # pylint: disable=g-import-not-at-top
@@ -96,7 +95,8 @@ def run(args, log) -> dict:
       device=dict(backend=jax.default_backend(), device_kind=device.device_kind,
                   count=jax.device_count(), jax=jax.__version__),
       target=dict(label=label, base=plan.base, overrides=overrides,
-                  params=int(config.num_params()), shape=presets.summary(config)),
+                  params=int(config.num_params()), shape=presets.summary(config),
+                  weights="random: normal(0.02) matrices, unit norms (infer.profile)"),
       shape=dict(dataclasses.asdict(shape), width=shape.width, short_tokens=plan.short_tokens,
                  batches=list(batches)),
       correctness={}, elapsed_s=0.0)
@@ -124,6 +124,7 @@ def run(args, log) -> dict:
   # ------------------------------------ bf16: fixed-width greedy, speed, sampling
   bf16 = built("the bf16 target", lambda: presets.random_target(
       config, dtype=jnp.bfloat16, weights=jnp.bfloat16))
+  result["target"]["attention_impl"] = getattr(bf16, "attention_impl", None)
   drafter16 = built(f"its {plan.drafter} drafter", lambda: measure.random_drafter(
       plan.drafter, target=bf16, block_size=shape.block_size))
   fixed, timings = {}, {}
@@ -144,9 +145,8 @@ def run(args, log) -> dict:
         f" {verdict_of(fixed[str(b)])} ({time.perf_counter() - t0:.1f} s)")
     save()
     t0 = time.perf_counter()
-    timings[str(b)] = checks.guarded(lambda b=b, prompts=prompts, runs=runs: _speed(
-        target=bf16, drafter=drafter16, prompts=prompts, plan=plan, runs=runs,
-        generate=generate, speed=speed, checks=checks))
+    timings[str(b)] = checks.guarded(lambda prompts=prompts, runs=runs: speed.loop_speed(
+        target=bf16, drafter=drafter16, prompts=prompts, plan=plan, runs=runs))
     e = timings[str(b)]
     if "error" in e:
       log(f"speed, batch {b}: ERROR {e['error']}")
@@ -165,11 +165,22 @@ def run(args, log) -> dict:
 
   # ------------------------------------------ f32: free widths and a draft tree
   with jax.default_matmul_precision(args.f32_precision):
-    f32 = built("the f32 target", lambda: presets.random_target(
-        config, dtype=jnp.float32, weights=jnp.float32))
-    drafter32 = built(f"its {plan.drafter} drafter", lambda: measure.random_drafter(
-        plan.drafter, target=f32, block_size=shape.block_size))
+    try:
+      f32 = built("the f32 target", lambda: presets.random_target(
+          config, dtype=jnp.float32, weights=jnp.float32))
+      drafter32 = built(f"its {plan.drafter} drafter", lambda: measure.random_drafter(
+          plan.drafter, target=f32, block_size=shape.block_size))
+    except Exception as e:  # pylint: disable=broad-except
+      if not presets.is_out_of_memory(e):
+        raise
+      error = checks.error_record(e)
+      for name in ("free_f32", "tree_f32"):
+        result["correctness"][name] = {str(b): error for b in batches}
+      log(f"f32 target: {error['error']} (try --set num_layers=2)")
+      f32 = None
     for kind, name in (("free", "free_f32"), ("tree", "tree_f32")):
+      if f32 is None:
+        break
       entries = result["correctness"].setdefault(name, {})
       for b in batches:
         prompts = batch_prompts(b)
@@ -182,14 +193,14 @@ def run(args, log) -> dict:
         log(f"greedy {name}, batch {b}: {runs} {verdict_of(entries[str(b)])}"
             f" ({time.perf_counter() - t0:.1f} s)")
         save()
-    del f32, drafter32
+    f32 = drafter32 = None  # frees the f32 copy before the prefill
 
   # --------------------------------------------------------------------- prefill
   t0 = time.perf_counter()
   try:
     result["prefill"] = speed.prefill(target=bf16, lengths=lengths, repeats=plan.repeats, log=log)
   except Exception as e:  # pylint: disable=broad-except
-    result["prefill"] = [dict(length=0, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")]
+    result["prefill"] = [dict(length=0, error=checks.error_record(e)["error"])]
     log(f"prefill: ERROR {result['prefill'][0]['error']}")
   log(f"prefill done ({time.perf_counter() - t0:.1f} s)")
   save()
@@ -207,31 +218,6 @@ def _ms(entry: dict) -> str:
 
 def _ms_value(value) -> str:
   return "–" if value is None else f"{value:.3f} ms"
-
-
-def _speed(*, target, drafter, prompts, plan: Plan, runs: dict, generate, speed, checks) -> dict:
-  """In-loop ms per ar step (width 1 and fixed width) and per dloop round, against isolated
-  costs, at one batch size; reuses the fixed-width correctness runs as the long calls."""
-  shape = plan.shape
-  iso = speed.isolated(target=target, drafter=drafter, batch_size=len(prompts),
-                       block_size=shape.block_size, max_stages=shape.max_stages,
-                       width=shape.width, repeats=plan.repeats)
-  plans = checks.run_plans(kind="fixed", shape=shape, drafter=drafter)
-  table = iso["table"]
-  isolated_ms = {"ar": table.costs[1], "ar_fixed": table.costs[shape.width],
-                 "dloop": iso["round_ms"]}
-  out = dict(cost_ms={str(w): c for w, c in table.costs.items()}, drafter=iso["drafter"])
-  for name, kwargs, first in (("ar", dict(mode="ar"), None),
-                              ("ar_fixed", plans["ar"], runs.get("ar")),
-                              ("dloop", plans["dloop"], runs.get("dloop"))):
-    e = speed.in_loop(lambda n, kw=kwargs: generate(target, prompts, max_new_tokens=n, **kw),
-                      long_tokens=shape.long_tokens, short_tokens=plan.short_tokens,
-                      repeats=plan.repeats, first=first)
-    e["isolated_ms"] = isolated_ms[name]
-    e["ratio"] = (e["ms_per_iteration"] / isolated_ms[name]
-                  if e["ms_per_iteration"] and isolated_ms[name] else None)
-    out[name] = e
-  return out
 
 
 def main(argv=None, *, compile_cache: bool = False) -> int:

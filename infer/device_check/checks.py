@@ -206,10 +206,15 @@ def sampling_smoke(*, target, drafter, prompts: Sequence[Sequence[int]], shape: 
               batch_size=len(prompts), **run_summary(out))
 
 
+def error_record(e: Exception) -> dict:
+  """A check that raised `e`: {"ok": False, "error": its type and first line}."""
+  text = str(e).splitlines()[0][:500] if str(e) else ""
+  return dict(ok=False, error=f"{type(e).__name__}: {text}" if text else type(e).__name__)
+
+
 def guarded(fn: Callable[[], dict]) -> dict:
-  """`fn()`, or {"ok": False, "error": ...} when it raises (the check fails, the rest goes on)."""
+  """`fn()`, or `error_record` of what it raised (the check fails, the rest goes on)."""
   try:
     return fn()
   except Exception as e:  # pylint: disable=broad-except
-    return dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:500]}"
-                if str(e) else type(e).__name__)
+    return error_record(e)

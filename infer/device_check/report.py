@@ -28,8 +28,8 @@ def check_status(result: dict, name: str) -> str | None:
       return None
     return "PASS" if all(r.get("ok") for r in by_batch.values()) else "FAIL"
   value = result.get(name)
-  if value is None:
-    return None
+  if not value:
+    return None  # not run, or not yet
   entries = value.values() if isinstance(value, dict) else value
   return "ERROR" if any("error" in e for e in entries) else "OK"
 

@@ -26,6 +26,8 @@ import numpy as np
 
 from dloop_jax.decoding import GenerationOutput, generate
 from dloop_jax.decoding import costs as costs_lib
+from infer.device_check.checks import run_plans
+from infer.device_check.plans import Plan
 from infer.profile import measure, modeled, presets
 
 
@@ -90,6 +92,44 @@ def isolated(*, target, drafter, batch_size: int, block_size: int, max_stages: i
   return dict(table=table, drafter=drafter_ms,
               round_ms=modeled.round_ms(table, drafter_ms, block_size=block_size,
                                         stages=max_stages))
+
+
+def loop_speed(*, target, drafter, prompts: Sequence[Sequence[int]], plan: Plan,
+               runs: dict[str, GenerationOutput]) -> dict:
+  """In-loop ms per ar step (width 1 and the fixed width) and per dloop round at one batch size,
+  with the isolated costs beside them.
+
+  Args:
+    target, drafter: the bf16 target and its drafter.
+    prompts: the batch.
+    plan: the preset's plan (shape, token counts, repeats).
+    runs: the fixed-width correctness runs ("ar", "dloop") of these prompts,
+      reused as long calls of the same programs.
+
+  Returns:
+    {"cost_ms": {width: ms}, "drafter": {"stage_ms", "commit_ms", "params"},
+    and "ar", "ar_fixed", "dloop": `in_loop` with "isolated_ms" (T(1), T(W),
+    the modeled round) and "ratio" (in-loop / isolated)}.
+  """
+  shape = plan.shape
+  iso = isolated(target=target, drafter=drafter, batch_size=len(prompts),
+                 block_size=shape.block_size, max_stages=shape.max_stages, width=shape.width,
+                 repeats=plan.repeats)
+  fixed = run_plans(kind="fixed", shape=shape, drafter=drafter)
+  table = iso["table"]
+  out = dict(cost_ms={str(w): c for w, c in table.costs.items()}, drafter=iso["drafter"])
+  for name, kwargs, first, isolated_ms in (
+      ("ar", dict(mode="ar"), None, table.costs[1]),
+      ("ar_fixed", fixed["ar"], runs.get("ar"), table.costs[shape.width]),
+      ("dloop", fixed["dloop"], runs.get("dloop"), iso["round_ms"])):
+    e = in_loop(lambda n, kw=kwargs: generate(target, prompts, max_new_tokens=n, **kw),
+                long_tokens=shape.long_tokens, short_tokens=plan.short_tokens,
+                repeats=plan.repeats, first=first)
+    e["isolated_ms"] = isolated_ms
+    e["ratio"] = (e["ms_per_iteration"] / isolated_ms
+                  if e["ms_per_iteration"] and isolated_ms else None)
+    out[name] = e
+  return out
 
 
 def prefill(*, target, lengths: Sequence[int], repeats: int, log=lambda _: None,
