@@ -116,7 +116,8 @@ def markdown(result: dict) -> str:
         "ms per loop iteration from two runs of one compiled program (prefill cancelled),"
         " against the isolated forward (`decoding.costs.calibrate`, half-full 512-slot cache)"
         " and, for dloop, the modeled round T(W) + S·stage + commit (`python -m"
-        " infer.profile`'s model). Random drafts are rejected: a dloop round commits one token.",
+        " infer.profile`'s model). Random drafts are nearly all rejected: a dloop round commits about"
+        " one token.",
         "", "| batch | loop | ms / iteration | isolated ms | × isolated | tokens/s | note |",
         "|---|---|---|---|---|---|---|"]
     for batch, entry in speed.items():
