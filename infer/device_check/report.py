@@ -46,7 +46,8 @@ def verdict(result: dict) -> tuple[str, bool]:
   skipped = [p["length"] for p in result.get("prefill", []) if "skipped" in p]
   note = f" (prefill skipped at {', '.join(map(str, skipped))} tokens)" if skipped else ""
   dev = result.get("device", {})
-  where = f"{result.get('preset', '?')} on {dev.get('device_kind', '?')} ({dev.get('backend', '?')})"
+  where = (f"{result.get('preset', '?')} on {dev.get('device_kind', '?')}"
+           f" ({dev.get('backend', '?')})")
   return f"{'PASS' if ok else 'FAIL'} device_check {where}: {', '.join(parts)}{note}", ok
 
 
@@ -116,8 +117,8 @@ def markdown(result: dict) -> str:
         "ms per loop iteration from two runs of one compiled program (prefill cancelled),"
         " against the isolated forward (`decoding.costs.calibrate`, half-full 512-slot cache)"
         " and, for dloop, the modeled round T(W) + S·stage + commit (`python -m"
-        " infer.profile`'s model). Random drafts are nearly all rejected: a dloop round commits about"
-        " one token.",
+        " infer.profile`'s model). Random drafts are nearly all rejected: a dloop round commits"
+        " about one token.",
         "", "| batch | loop | ms / iteration | isolated ms | × isolated | tokens/s | note |",
         "|---|---|---|---|---|---|---|"]
     for batch, entry in speed.items():
