@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dloop_jax.data import pipeline
 from dloop_jax.data import target_responses as tr_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import trainer as trainer_lib
@@ -100,6 +101,13 @@ def test_online_matches_offline_at_step_one(tmp_path, name, objective):
   if not soft:
     loss_stored = jax.device_get(offline.loss_and_grads(stored)[0])
     np.testing.assert_allclose(loss_stored, loss_off, rtol=2e-3)
+    # The held-out metric reads the same target outputs: the same hits.
+    held = pipeline.heldout_batches(path=str(tmp_path / "data"), seq_len=48, batch_size=4,
+                                    heldout_examples=6)
+    on = online.heldout_metrics(held)
+    off = offline.heldout_metrics([_reference_features(offline, b, logits=False) for b in held])
+    assert on == pytest.approx(off, abs=1e-12)
+    assert on["heldout_examples"] == 6 and on["heldout_tau_se"] > 0
 
 
 def test_soft_targets_offline_need_topk_data(tmp_path):

@@ -142,7 +142,6 @@ def base_config() -> ml_collections.ConfigDict:
       # tau they imply, standard errors over examples): every N steps and at
       # the last (0 = never). keep_best may then be "heldout_tau".
       heldout_every_steps=0,
-      heldout_batch_size=0,  # rows per held-out batch (0 = data.batch_size)
   ))
   # "module:attribute" of a `TrainHooks` replacing how the target, drafter,
   # loss and data are built (custom drafters, tests).
@@ -251,7 +250,7 @@ def validate(config: Mapping[str, Any]) -> None:
     raise ConfigError("data.online_topk sets what the online target computes; offline, the"
                       " dataset's target_topk (python -m train.data) does. Set data.online=True"
                       " or online_topk=0.")
-  for key in ("heldout_every_steps", "heldout_batch_size"):
+  for key in ("heldout_every_steps",):
     if not isinstance(e[key], int) or isinstance(e[key], bool) or e[key] < 0:
       raise ConfigError(f"eval.{key} must be an int >= 0, got {e[key]!r}.")
   if e["heldout_every_steps"] and not d["heldout_examples"]:

@@ -621,3 +621,32 @@ def loss_fn(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, objectiv
                            step_decay=float(_get(cfg, "step_decay", 0.8)),
                            soft=soft_settings(cfg))
   return block_loss(drafter, batch, key, cfg=cfg, progress=progress)
+
+
+# ------------------------------------------------------------------ held out
+def teacher_forced_counts(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *,
+                          objective: str, cfg: Any = None) -> tuple[jax.Array, jax.Array]:
+  """Per-row teacher-forced hits of draft positions 1..K: (correct [B, K], counted [B, K]).
+
+  What the objective's acc_k count, per row (one held-out example per row):
+  EAGLE-3 the K = ttt_steps (loop-aware: gamma) unrolled steps at every
+  position, block drafters gamma drafts at `anchors_per_sequence` anchors
+  drawn from `key` (a fixed key gives the same anchors at every evaluation,
+  so evaluations of one run are paired). Loop-aware objectives are measured
+  on their base objective's first stage.
+  """
+  b = _batch(batch)
+  if isinstance(drafter, Eagle3Drafter):
+    k = (int(_get(cfg, "block_size", drafter.block_size)) if objective == "loop_aware"
+         else int(_get(cfg, "ttt_steps", 7)))
+    _, correct, counted = _ttt_step_stats(drafter, b, k, soft=soft_settings(cfg), per_row=True)
+    return correct.T, counted.T
+  cfg = dict(_plain_cfg(cfg))
+  cfg.setdefault("curriculum_fraction", 0.0)  # Domino: the corrected drafts
+  b, gamma, anchors, ok = _block_setup(drafter, batch, key, cfg)
+  (h,) = drafter.train_stages(tokens=b["tokens"], features=b["features"],
+                              positions=b["positions"], segment_ids=b["segment_ids"],
+                              anchors=anchors, block_size=gamma, num_stages=1)
+  stats = _stage_stats_for(drafter, cfg, None, per_row=True)
+  _, correct, counted = stats(drafter, b, anchors, ok, h, stage=0, gamma=gamma)
+  return correct, counted

@@ -52,6 +52,7 @@ from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
 from dloop_jax.training import distributed as distributed_lib
 from dloop_jax.training import engine_eval as engine_eval_lib
+from dloop_jax.training import heldout as heldout_lib
 from dloop_jax.training import online as online_lib
 from dloop_jax.training import optim as optim_lib
 from dloop_jax.training import sharding as sharding_lib
@@ -596,6 +597,53 @@ class Trainer:
       batch = online_lib.input_batch(batch)
     return sharding_lib.put_batch(batch, self.mesh)
 
+  def heldout_metrics(self, batches: list[Mapping[str, np.ndarray]]) -> dict[str, float]:
+    """Teacher-forced acc_k and tau with standard errors on held-out batches (`heldout`).
+
+    One example per row; rows with nothing to predict (empty rows of the
+    last batch) count nowhere. The block drafters' anchors come from a key
+    fixed per batch, so every evaluation of a run measures the same drafts.
+    """
+    counts_fn = _library("dloop_jax.training.objectives", "teacher_forced_counts")
+    correct, counted = [], []
+    for i, batch in enumerate(batches):
+      placed = self._placed({k: v for k, v in batch.items() if k != "example"})
+      signature = ("heldout",) + tuple(sorted((k, v.ndim) for k, v in placed.items()))
+      if signature not in self._steps:
+        self._steps[signature] = self._heldout_fn(placed, counts_fn)
+      with sharding_lib.mesh_context(self.mesh, self.rules):
+        c, n = self._steps[signature](
+            self.params, self.frozen_for_step, self.model_state, self.rng_state,
+            None if self.online is None else self.online.state, placed,
+            jnp.asarray(i, jnp.int32))
+      correct.append(np.asarray(jax.device_get(c)))
+      counted.append(np.asarray(jax.device_get(n)))
+    return heldout_lib.summarize(np.concatenate(correct), np.concatenate(counted))
+
+  def _heldout_fn(self, batch: Mapping[str, jax.Array], counts_fn: Callable) -> Callable:
+    templates, graphdef, online = self._templates, self.graphdef, self.online
+    objective = self.config.objective
+    objective_cfg = ml_collections.FrozenConfigDict(self.config.objective_cfg)
+    compute_dtype = jnp.dtype(self.config.compute_dtype)
+    eval_key = jax.random.fold_in(self.base_key, 0x68656C64)
+
+    def counts(params, frozen, model_state, rng_state, target_state, batch, index):
+      if online is not None:
+        batch = dict(batch, **online.outputs(target_state, batch))
+      drafter = nnx.merge(graphdef, _rebuild(templates["params"],
+                                             _cast_floating(params, compute_dtype)),
+                          _rebuild(templates["frozen"], frozen), rng_state,
+                          _rebuild(templates["model_state"], model_state))
+      return counts_fn(drafter, batch, jax.random.fold_in(eval_key, index),
+                       objective=objective, cfg=objective_cfg)
+
+    batch_shardings = {k: sharding_lib.batch_sharding(self.mesh, v.ndim)
+                       for k, v in batch.items()}
+    return jax.jit(counts, in_shardings=(
+        self.param_shardings, self.frozen_shardings, self.model_state_shardings,
+        self.replicated, online.shardings if online is not None else None, batch_shardings,
+        self.replicated), out_shardings=(self.replicated, self.replicated))
+
   def loss_and_grads(self, batch: Mapping[str, np.ndarray]
                      ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
     """(loss, metrics, gradients {flat name: array}) of the current step on `batch`; no update."""
@@ -747,20 +795,83 @@ def _engine_evaluation(c: ml_collections.ConfigDict, trainer: Trainer, workdir: 
                       " set it to 0 and evaluate the checkpoints' exports separately.")
   evaluator = engine_eval_lib.from_config(c.eval, target=trainer.target.model,
                                           tokenizer=trainer.target.tokenizer, seed=int(c.seed))
-  best = _Best()
-  if c.eval.keep_best and os.path.exists(os.path.join(workdir, BEST_DIR, drafter_io.INFO_FILE)):
-    # A resumed run keeps the best of its earlier part, and counts the
-    # evaluations after it (they ran every `every_steps` since its step).
-    info = drafter_io.read_info(os.path.join(workdir, BEST_DIR))
-    best.score = float(info.get("metrics", {}).get(c.eval.keep_best, -math.inf))
-    best.step = int(info.get("extra", {}).get("step", trainer.step))
-    every = int(c.eval.every_steps)
-    best.evals_since = max(0, trainer.step // every - best.step // every)
+  best = _resumed_best(c, trainer, workdir)
   logging.info("Engine evaluation every %d steps: %d prompts, modes %s%s.", c.eval.every_steps,
                len(evaluator.prompts), list(evaluator.modes),
                f", best {c.eval.keep_best} so far {best.score:.3f} (step {best.step})"
                if best.step is not None else "")
   return evaluator, best
+
+
+def _resumed_best(c: ml_collections.ConfigDict, trainer: Trainer, workdir: str) -> _Best:
+  """The best `eval.keep_best` of a resumed run's earlier part (from its best export)."""
+  best = _Best()
+  if c.eval.keep_best and os.path.exists(os.path.join(workdir, BEST_DIR, drafter_io.INFO_FILE)):
+    # A resumed run keeps the best of its earlier part, and counts the
+    # evaluations after it (they ran every `every` steps since its step).
+    info = drafter_io.read_info(os.path.join(workdir, BEST_DIR))
+    best.score = float(info.get("metrics", {}).get(c.eval.keep_best, -math.inf))
+    best.step = int(info.get("extra", {}).get("step", trainer.step))
+    every = int(c.eval.heldout_every_steps if c.eval.keep_best == config_lib.HELDOUT_BEST
+                else c.eval.every_steps)
+    best.evals_since = max(0, trainer.step // every - best.step // every)
+  return best
+
+
+def _keep_if_best(result: Mapping[str, Any], trainer: Trainer, workdir: str,
+                  c: ml_collections.ConfigDict, *, best: _Best, last: Mapping[str, Any]) -> str:
+  """Exports the drafter to DIR/best when `result` holds a new best `eval.keep_best`.
+
+  Returns what to add to the progress message.
+  """
+  key = c.eval.keep_best
+  if not key or key not in result:
+    return ""
+  best.evals_since += 1
+  if result[key] <= best.score:
+    return ""
+  best.score, best.step, best.evals_since = result[key], trainer.step, 0
+  drafter_io.export_drafter(trainer.drafter_with(on_host=True), os.path.join(workdir, BEST_DIR),
+                            target_name=trainer.target.name, metrics=dict(last),
+                            extra={"step": trainer.step, "objective": c.objective,
+                                   "workdir": recorded_path(workdir)})
+  return f" (best so far: exported to {os.path.join(workdir, BEST_DIR)})"
+
+
+def _heldout_batches(c: ml_collections.ConfigDict, trainer: Trainer, hooks: TrainHooks,
+                     data_info: Any) -> list[dict[str, np.ndarray]] | None:
+  """This process's rows of the held-out batches (None when eval.heldout_every_steps is 0)."""
+  if not c.eval.heldout_every_steps:
+    return None
+  if c.eval.keep_best == config_lib.HELDOUT_BEST and jax.process_count() > 1:
+    raise ConfigError("eval.keep_best='heldout_tau' exports from one process; on a multi-process"
+                      " run keep the held-out metric (eval.keep_best='') and export afterwards.")
+  fn = hooks.heldout_batches or default_heldout_batches
+  batches = fn(c, data_info=data_info, batch_size=int(c.data.batch_size),
+               shard_index=jax.process_index(), shard_count=jax.process_count())
+  logging.info("Held-out metric every %d steps: the last %d examples of the training split"
+               " (%d batches), never trained on.", c.eval.heldout_every_steps,
+               c.data.heldout_examples, len(batches))
+  return batches
+
+
+def _heldout_evaluate(batches: list[dict[str, np.ndarray]], trainer: Trainer, workdir: str,
+                      c: ml_collections.ConfigDict, *, best: _Best, last: dict[str, Any],
+                      writer: "_MetricsWriter", bar: Any) -> None:
+  """Measures the held-out metric, logs it, exports the drafter if it is the best."""
+  start = time.perf_counter()
+  result: dict[str, Any] = trainer.heldout_metrics(batches)
+  result["heldout_eval_s"] = time.perf_counter() - start
+  writer.write(trainer.step, result)
+  last.update(result)
+  summary = (f"heldout_tau {result['heldout_tau']:.3f} ± {result['heldout_tau_se']:.3f}"
+             f" ({result['heldout_examples']} examples)")
+  summary += _keep_if_best(result, trainer, workdir, c, best=best, last=last)
+  message = f"step {trainer.step}: {summary} (held-out metric, {result['heldout_eval_s']:.1f}s)"
+  if bar is not None:
+    bar.write(message)
+  else:
+    logging.info(message)
 
 
 def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: str,
@@ -772,15 +883,7 @@ def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: 
   writer.write(trainer.step, result)
   last.update(result)
   summary = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("engine_tau"))
-  key = c.eval.keep_best
-  best.evals_since += 1
-  if key and result[key] > best.score:
-    best.score, best.step, best.evals_since = result[key], trainer.step, 0
-    drafter_io.export_drafter(drafter, os.path.join(workdir, BEST_DIR),
-                              target_name=trainer.target.name, metrics=dict(last),
-                              extra={"step": trainer.step, "objective": c.objective,
-                                     "workdir": recorded_path(workdir)})
-    summary += f" (best so far: exported to {os.path.join(workdir, BEST_DIR)})"
+  summary += _keep_if_best(result, trainer, workdir, c, best=best, last=last)
   message = f"step {trainer.step}: {summary} (engine evaluation, {result['engine_eval_s']:.1f}s)"
   if bar is not None:
     bar.write(message)
@@ -896,6 +999,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
         c, trainer, checkpointer=checkpointer, iterator=iterator, data_info=data_info,
         hooks=hooks)
     evaluator, best = _engine_evaluation(c, trainer, workdir)
+    heldout = _heldout_batches(c, trainer, hooks, data_info)
+    if heldout is not None and evaluator is None:
+      best = _resumed_best(c, trainer, workdir)
   except BaseException:
     # Orbax's background threads (temporary-directory cleanup, async saves)
     # must end before the interpreter does, or they print tracebacks at exit.
@@ -919,7 +1025,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
                       model_state=trainer.model_state, data_state=iterator.get_state(),
                       meta=dict(meta, metrics=last))
 
-  patience = int(c.eval.patience) if evaluator is not None else 0
+  patience = int(c.eval.patience) if (evaluator is not None or heldout is not None) else 0
   stopped_early = False
   try:
     while trainer.step < num_steps:
@@ -975,6 +1081,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
         eval_start = time.perf_counter()
         _evaluate(evaluator, trainer, workdir, c, best=best, last=last, writer=writer, bar=bar)
         window_start += time.perf_counter() - eval_start  # not training time
+      if heldout is not None and (trainer.step % int(c.eval.heldout_every_steps) == 0
+                                  or trainer.step == num_steps):
+        eval_start = time.perf_counter()
+        _heldout_evaluate(heldout, trainer, workdir, c, best=best, last=last, writer=writer,
+                          bar=bar)
+        window_start += time.perf_counter() - eval_start
       if bar is not None:
         bar.update(1)
       if trainer.step % int(c.checkpoint.every_steps) == 0 or trainer.step == num_steps:
