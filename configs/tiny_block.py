@@ -7,7 +7,7 @@
 The second command is the recipe's loop-aware fine-tune of the first run.
 """
 
-from dloop_jax.training.config import base_config, loop_aware_fine_tune
+from dloop_jax.training.config import base_config, loop_aware_fine_tune, objective_settings
 from ml_collections import ConfigDict
 
 
@@ -17,7 +17,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.target.seed = 1
   c.drafter = ConfigDict(dict(kind="block", block_size=4, num_layers=1))
   c.objective = "block"
-  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=4))
+  c.objective_cfg = objective_settings(anchors_per_sequence=4)
   c.data.source = "tiny_random"
   c.data.num_examples = 256
   c.data.seq_len = 64

@@ -8,7 +8,7 @@ examples; < 2 min on a CPU).
 The second command is the recipe's loop-aware fine-tune of the first run.
 """
 
-from dloop_jax.training.config import base_config, loop_aware_fine_tune
+from dloop_jax.training.config import base_config, loop_aware_fine_tune, objective_settings
 from ml_collections import ConfigDict
 
 
@@ -19,7 +19,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.drafter = ConfigDict(dict(kind="domino", block_size=4, num_layers=1, gru_hidden_size=32,
                               correction_rank=16))
   c.objective = "domino"
-  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=4))
+  c.objective_cfg = objective_settings(anchors_per_sequence=4)
   c.data.source = "tiny_random"
   c.data.num_examples = 256
   c.data.seq_len = 64

@@ -8,7 +8,7 @@
 The second command is the recipe's loop-aware fine-tune of the first run.
 """
 
-from dloop_jax.training.config import base_config, loop_aware_fine_tune
+from dloop_jax.training.config import base_config, loop_aware_fine_tune, objective_settings
 from ml_collections import ConfigDict
 
 
@@ -18,7 +18,7 @@ def get_config(recipe: str = "") -> ConfigDict:
   c.target.seed = 1
   c.drafter = ConfigDict(dict(kind="dspark", block_size=4, num_layers=1, markov_rank=16))
   c.objective = "dspark"
-  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=4))
+  c.objective_cfg = objective_settings(distillation=False, anchors_per_sequence=4)
   c.data.source = "tiny_random"
   c.data.num_examples = 256
   c.data.seq_len = 64

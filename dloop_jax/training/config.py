@@ -30,6 +30,22 @@ FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
 # trained one is restricted to a draft vocabulary afterwards, its weights kept
 # (`dloop_jax.drafters.with_draft_vocab`).
 FULL_VOCAB_KINDS = ("dspark", "domino")
+# The distillation settings of the objectives (`objectives.SOFT_DEFAULTS`) and
+# feature noise, at values that keep hard cross-entropy. Config files list them
+# (`objective_settings`) so that the command line can set them
+# (--config.objective_cfg.kl_weight=1).
+DISTILLATION_DEFAULTS = dict(hard_weight=1.0, kl_weight=0.0, tv_weight=0.0,
+                             feature_regression_weight=0.0, feature_noise=0.0)
+
+
+def objective_settings(*, distillation: bool = True, **settings: Any) -> ml_collections.ConfigDict:
+  """An `objective_cfg`: `settings` plus `DISTILLATION_DEFAULTS` (only feature_noise for
+  objectives without distillation keys: dspark)."""
+  base = (dict(DISTILLATION_DEFAULTS) if distillation
+          else {"feature_noise": DISTILLATION_DEFAULTS["feature_noise"]})
+  return ml_collections.ConfigDict(dict(base, **settings))
+
+
 # eval.keep_best for the held-out teacher-forced tau (`heldout`).
 HELDOUT_BEST = "heldout_tau"
 

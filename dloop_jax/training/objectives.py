@@ -21,6 +21,8 @@ Batch (dict of arrays; B rows of T):
     target_topk_probs [B, T, k]  `target_topk` hold: the target's k likeliest
                                  next tokens and their probabilities (its
                                  distribution renormalized over them)
+    target_hidden [B, T, D]      optional: the target's last decoder layer's
+                                 output after reading tokens[t] (online)
 
 A prediction of tokens[p] counts when loss_mask[p] is 1 and p lies in the same
 segment as every position it is conditioned on; attention never crosses
@@ -57,6 +59,17 @@ Objectives and their `cfg` keys (any Mapping or ConfigDict):
     anchored at the ground-truth token ending stage s and sees stage s's
     stand-in context (`BlockDrafter.train_stages`); DSpark and Domino stages
     are the block drafter's, each with its own objective.
+
+Distillation (every objective but dspark, whose own terms already read the
+target's distribution): hard_weight (1), kl_weight (0), tv_weight (0) weigh
+per prediction the CE on the data's token, KL(p_target || p_draft) and the
+total variation 1/2 ||p_target - p_draft||_1, p_target read from
+`target_logits` (online) or `target_topk_*` (datasets built with target_topk;
+renormalized over the draft vocabulary when it is reduced). EAGLE-3 also
+takes feature_regression_weight (0): smooth-L1 from each TTT step's hidden
+state to the target's last-layer output after the token it continues
+(`target_hidden`, which online training computes). The defaults are hard CE,
+bit for bit.
 
 Every objective also takes feature_noise (0: none): Gaussian noise on the
 target's taps, each tap vector's of RMS `feature_noise` times its own RMS
@@ -97,8 +110,8 @@ OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
 # Distillation settings of every objective but dspark (whose own terms read
 # the target's distribution: ce_weight / l1_weight). The defaults are hard
 # cross-entropy on the data's tokens.
-SOFT_DEFAULTS = dict(hard_weight=1.0, kl_weight=0.0, tv_weight=0.0,
-                     feature_regression_weight=0.0)
+SOFT_DEFAULTS = {k: v for k, v in config_lib.DISTILLATION_DEFAULTS.items()
+                 if k != "feature_noise"}
 # Subclasses first: a DSpark or Domino drafter is also a BlockDrafter.
 _BASE_FOR = {DSparkDrafter: "dspark", DominoDrafter: "domino", Eagle3Drafter: "eagle3_ttt",
              BlockDrafter: "block"}
@@ -257,11 +270,12 @@ def noisy_features(features: jax.Array, key: jax.Array, *, scale: float) -> jax.
 
 
 def _shift(x: jax.Array, offset: int, fill: int = 0) -> jax.Array:
-  """y[:, t] = x[:, t + offset] (fill past the end)."""
+  """y[:, t] = x[:, t + offset] (fill past the end); x [B, T, ...]."""
   t = x.shape[1]
   if offset >= t:
     return jnp.full_like(x, fill)
-  return jnp.pad(x[:, offset:], ((0, 0), (0, offset)), constant_values=fill)
+  pad = ((0, 0), (0, offset)) + ((0, 0),) * (x.ndim - 2)
+  return jnp.pad(x[:, offset:], pad, constant_values=fill)
 
 
 def _ce_terms(drafter, hidden: jax.Array, labels: jax.Array, valid: jax.Array,
