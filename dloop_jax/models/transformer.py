@@ -583,6 +583,11 @@ class Transformer(nnx.Module):
   ) -> ForwardOutput:
     """Runs T new tokens per row against the cache.
 
+    Long inputs (more than `attention.BLOCKWISE_MIN_QUERIES` tokens) attend
+    blockwise, and causal ones that write the cache over more than
+    `PREFILL_CHUNK` tokens run in chunks (`_chunked`): memory grows with T
+    times a block, not with T times the capacity (see `models.attention`).
+
     Args:
       tokens: [B, T] token ids.
       positions: [B, T] RoPE positions (usually `cache.lengths[:, None] + t`;
