@@ -33,8 +33,12 @@ ATTENTION_IMPLS = ("xla", "cudnn", "dot_product")
 
 # Forwards with more new tokens than this use `blockwise_attention`. Decode
 # steps, verifications and trees stay below it, so their arithmetic (and the
-# bit-identity of decoding modes at a fixed width) does not depend on it.
-BLOCKWISE_MIN_QUERIES = 128
+# bit-identity of decoding modes at a fixed width) does not depend on it. Up
+# to it the dense scores are small, and the dense program is smaller: the
+# blockwise loops add machine code to every program with a prefill, and a
+# process that compiles many (a benchmark of many methods) runs out of the
+# memory mappings XLA:CPU's executables hold.
+BLOCKWISE_MIN_QUERIES = 512
 # Query and key block sizes of `blockwise_attention`.
 QUERY_BLOCK = 512
 KEY_BLOCK = 512
