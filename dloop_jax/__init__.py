@@ -1,0 +1,46 @@
+"""dloop_jax: DLoop, looped speculative decoding, in JAX.
+
+    import dloop_jax as dl
+
+    target = dl.load_target("smollm2-135m-instruct")        # this machine's profile
+    drafter = dl.load_drafter("smollm2-135m-instruct-block", target=target)
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    out = dl.generate(target, [ids], max_new_tokens=64, mode="dloop", drafter=drafter)
+    print(target.tokenizer.decode(out.tokens[0]), out.rows[0].acceptance_length)
+
+The names below load on first use, so importing a submodule (`dloop_jax.errors`,
+`dloop_jax.models`) does not import the whole library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_target": "dloop_jax.models.registry",
+    "LoadedTarget": "dloop_jax.models.registry",
+    "load_drafter": "dloop_jax.drafters.io",
+    "generate": "dloop_jax.decoding.engine",
+    "DecodingConfig": "dloop_jax.decoding.config",
+    "SamplingConfig": "dloop_jax.decoding.sampling",
+    "GREEDY": "dloop_jax.decoding.sampling",
+    "GenerationOutput": "dloop_jax.decoding.stats",
+    "RowStats": "dloop_jax.decoding.stats",
+    "Profile": "dloop_jax.profiles",
+    "DLoopError": "dloop_jax.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'dloop_jax' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

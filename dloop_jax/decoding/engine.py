@@ -70,6 +70,7 @@ from dloop_jax.decoding.stats import GenerationOutput, RowStats
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import sharding as sharding_lib
+from dloop_jax.models.registry import LoadedTarget
 from dloop_jax.models.transformer import Transformer
 
 if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
@@ -688,7 +689,8 @@ def generate(
   """Generates continuations of a batch of token-id prompts.
 
   Args:
-    target: the target model. One placed on a device mesh (`load_target(...,
+    target: the target model (a `Transformer`, or the `LoadedTarget` that
+      `load_target` returns). One placed on a device mesh (`load_target(...,
       mesh=)`) decodes there: rows over the mesh's data axis (B must be a
       multiple of its size), weights and KV heads as placed (docs/scaling.md).
     prompts: B prompts (lists of token ids, lengths may differ).
@@ -762,6 +764,8 @@ def generate(
   Returns:
     A `GenerationOutput` with the new tokens and statistics of every row.
   """
+  if isinstance(target, LoadedTarget):
+    target = target.model
   config, _ = _split_options(config, options)
   static, args = _prepare(
       target, prompts, config=config, max_new_tokens=max_new_tokens, drafter=drafter,

@@ -333,8 +333,9 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
   Args:
     name_or_path: export directory, training workdir (its `export/`), or the
       name of a shipped drafter.
-    target: the target `Transformer` it drafts for; frozen shared weights
-      come from it and float weights are cast to its dtype.
+    target: the target `Transformer` it drafts for (or the `LoadedTarget`
+      holding it); frozen shared weights come from it and float weights are
+      cast to its dtype.
     rngs: RNG streams for the drafter's construction (weights are overwritten).
 
   Raises:
@@ -343,6 +344,10 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
     CheckpointFormatError: a Hugging Face layout our drafters cannot represent.
   """
   from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.registry import LoadedTarget  # pylint: disable=g-import-not-at-top
+
+  if isinstance(target, LoadedTarget):
+    target = target.model
 
   if hf_format.is_hf_dir(name_or_path):
     return hf_format.load_hf_drafter(name_or_path, target=target, rngs=rngs)

@@ -1,0 +1,37 @@
+"""The public face: `import dloop_jax as dl` and what `load_target` returns going straight on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import dloop_jax as dl
+import model_fixtures
+
+
+def test_every_public_name_resolves():
+  for name in dl.__all__:
+    assert getattr(dl, name) is not None, name
+  assert set(dl.__all__) <= set(dir(dl))
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    getattr(dl, "nope")
+
+
+def test_importing_a_submodule_does_not_import_the_library():
+  code = ("import sys, dloop_jax.errors; "
+          "print(any(m.startswith(('jax', 'flax', 'dloop_jax.decoding')) for m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "False"
+
+
+def test_generate_takes_what_load_target_returns(tmp_path):
+  path = model_fixtures.save_hf(model_fixtures.tiny_hf_model("llama_tied"), str(tmp_path / "m"))
+  target = dl.load_target(path, dtype="float32")
+  config = dl.DecodingConfig(mode="ar")
+  out = dl.generate(target, [[1, 2, 3]], max_new_tokens=4, config=config)
+  assert out.tokens == dl.generate(target.model, [[1, 2, 3]], max_new_tokens=4).tokens
+  assert isinstance(out, dl.GenerationOutput) and len(out.tokens[0]) == 4
+  with pytest.raises(dl.DLoopError, match="unknown option"):
+    dl.generate(target, [[1, 2, 3]], max_new_tokens=4, gamma=3)
