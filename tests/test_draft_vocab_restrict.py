@@ -218,7 +218,9 @@ def test_restricted_dspark_samples_the_target_distribution(tiny, heads):
 def test_heads_restricted_written_in_public_layouts_over_the_whole_head(tiny, kind, tmp_path):
   """No public layout holds a draft vocabulary: a restricted DSpark / Domino drafter is written
   with a warning as the full-vocabulary drafter, whose weights it has unchanged."""
-  full = build_drafter(dict(HEADS[kind], mask_token_id=3), target=tiny, rngs=nnx.Rngs(2))
+  # Taps before the last layer: public layouts read the last one after the final norm.
+  full = build_drafter(dict(HEADS[kind], mask_token_id=3, taps=[0]), target=tiny,
+                       rngs=nnx.Rngs(2))
   nnx.update(full, jax.tree.map(lambda x: x + 0.01, nnx.state(full, nnx.Param)))
   restricted = with_draft_vocab(full, _counts(tiny.config.vocab_size), size=SIZE, target=tiny)
   with pytest.warns(UserWarning, match="no draft vocabulary"):

@@ -76,7 +76,7 @@ def test_bfloat16_step_multiplies_bfloat16_operands(tmp_path):
   placed = trainer_lib.sharding_lib.put_batch(batch, trainer.mesh)
   fn = trainer._compiled_step(placed)  # pylint: disable=protected-access
   hlo = fn.lower(trainer.params, trainer.opt_state, trainer.frozen_for_step, trainer.model_state,
-                 trainer.rng_state, placed, jnp.asarray(0, jnp.int32)).as_text()
+                 trainer.rng_state, None, placed, jnp.asarray(0, jnp.int32)).as_text()
   dots = re.findall(r"stablehlo\.dot_general[^\n]*", hlo)
   operand_types = [re.findall(r"tensor<[^>]*>", d)[:2] for d in dots]
   bf16 = [t for t in operand_types if all("bf16" in x for x in t)]
