@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from flax import nnx
 
+import drafter_programs
 from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.drafters import build_drafter
 from dloop_jax.drafters import hf_format
@@ -344,32 +345,13 @@ def _features(seed, n, n_taps):
 
 
 def _commit(drafter, features, next_tokens, capacity=24):
-  n = features.shape[0]
-  state = drafter.init_state(batch_size=1, capacity=capacity)
-  return drafter.commit(state, tokens=jnp.zeros((1, n), jnp.int32),
-                        features=jnp.asarray(features)[None],
-                        next_tokens=jnp.asarray(next_tokens, jnp.int32)[None],
-                        starts=jnp.zeros((1,), jnp.int32), counts=jnp.full((1,), n, jnp.int32))
-
-
-@nnx.jit(static_argnums=3)
-def _eagle3_program(drafter, features, next_tokens, num_drafts):
-  n = features.shape[0]
-  tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), next_tokens])[None, :n]
-  hid = drafter.ttt_hiddens(tokens=tokens, features=features[None],
-                            positions=jnp.arange(n)[None], segment_ids=jnp.ones((1, n), jnp.int32),
-                            num_steps=1)[0, 0, :n - 1]
-  state = _commit(drafter, features, next_tokens)
-  logits = jnp.concatenate([drafter.draft_logits(hid), drafter.draft_logits(state.hidden)])
-  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=num_drafts,
-                                 sampling=GREEDY)
-  return logits, stage.tokens[0], stage.logprobs[0]
+  return drafter_programs.commit(drafter, features, next_tokens, capacity)
 
 
 def _eagle3_ours(drafter, features, next_tokens, num_drafts):
   """Our logits at every pair but the last (training-time test step 0), the last, and drafts."""
-  logits, tokens, logprobs = _eagle3_program(drafter, jnp.asarray(features),
-                                             jnp.asarray(next_tokens, jnp.int32), num_drafts)
+  logits, tokens, logprobs = drafter_programs.eagle3_program(
+      drafter, jnp.asarray(features), jnp.asarray(next_tokens, jnp.int32), num_drafts, 24)
   return np.asarray(logits), np.asarray(tokens).tolist(), np.asarray(logprobs)
 
 

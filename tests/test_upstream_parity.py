@@ -43,6 +43,7 @@ from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3  # noqa
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config,  # noqa: E402
                           Qwen3ForCausalLM)
 
+import drafter_programs  # noqa: E402
 from dloop_jax.decoding import SamplingConfig, generate  # noqa: E402
 from dloop_jax.drafters import build_drafter  # noqa: E402
 from dloop_jax.drafters import io as drafter_io  # noqa: E402
@@ -122,29 +123,11 @@ def _prompt(seed: int) -> list[int]:
 
 
 # ----------------------------------------------------------------- ours
-def _commit(drafter, features, next_tokens, capacity=32):
-  n = features.shape[0]
-  state = drafter.init_state(batch_size=1, capacity=capacity)
-  return drafter.commit(state, tokens=jnp.zeros((1, n), jnp.int32),
-                        features=jnp.asarray(features)[None],
-                        next_tokens=jnp.asarray(next_tokens, jnp.int32)[None],
-                        starts=jnp.zeros((1,), jnp.int32), counts=jnp.full((1,), n, jnp.int32))
+CAPACITY = 32  # drafter cache slots of every comparison
 
 
-@nnx.jit(static_argnums=3)
-def _eagle3_program(drafter, features, next_tokens, num_drafts):
-  """Logits of every committed pair (training-time test step 0; the last from the commit)
-  and a greedy chain of `num_drafts`."""
-  n = features.shape[0]
-  tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), next_tokens])[None, :n]
-  hid = drafter.ttt_hiddens(tokens=tokens, features=features[None],
-                            positions=jnp.arange(n)[None], segment_ids=jnp.ones((1, n), jnp.int32),
-                            num_steps=1)[0, 0, :n - 1]
-  state = _commit(drafter, features, next_tokens)
-  logits = jnp.concatenate([drafter.draft_logits(hid), drafter.draft_logits(state.hidden)])
-  _, stage = drafter.draft_stage(state, key=jax.random.key(0), block_size=num_drafts,
-                                 sampling=GREEDY)
-  return logits, stage.tokens[0]
+def _commit(drafter, features, next_tokens):
+  return drafter_programs.commit(drafter, features, next_tokens, CAPACITY)
 
 
 # ------------------------------------------------------------- EAGLE-3
@@ -194,8 +177,8 @@ def _eagle3_compare(target: Target, drafter, model, *, seed: int):
   features = target.taps(prompt, drafter.taps)
   next_tokens = prompt[1:] + [target.greedy_next(prompt)]
   want_logits, want = _eagle3_upstream(model, features, next_tokens, 3)
-  logits, got = _eagle3_program(drafter, jnp.asarray(features),
-                                jnp.asarray(next_tokens, jnp.int32), 3)
+  logits, got, _ = drafter_programs.eagle3_program(
+      drafter, jnp.asarray(features), jnp.asarray(next_tokens, jnp.int32), 3, CAPACITY)
   np.testing.assert_allclose(np.asarray(logits), want_logits, **TOL)
   assert np.asarray(got).tolist() == want
 
