@@ -862,16 +862,11 @@ def _heldout_evaluate(batches: list[dict[str, np.ndarray]], trainer: Trainer, wo
   start = time.perf_counter()
   result: dict[str, Any] = trainer.heldout_metrics(batches)
   result["heldout_eval_s"] = time.perf_counter() - start
-  writer.write(trainer.step, result)
-  last.update(result)
   summary = (f"heldout_tau {result['heldout_tau']:.3f} ± {result['heldout_tau_se']:.3f}"
              f" ({result['heldout_examples']} examples)")
-  summary += _keep_if_best(result, trainer, workdir, c, best=best, last=last)
-  message = f"step {trainer.step}: {summary} (held-out metric, {result['heldout_eval_s']:.1f}s)"
-  if bar is not None:
-    bar.write(message)
-  else:
-    logging.info(message)
+  _record_evaluation(result, summary=summary, kind="held-out metric",
+                     seconds=result["heldout_eval_s"], trainer=trainer, workdir=workdir, c=c,
+                     best=best, last=last, writer=writer, bar=bar)
 
 
 def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: str,
@@ -880,11 +875,21 @@ def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: 
   """Measures the drafter in the engine, logs it, exports it if it is the best (updates `best`)."""
   drafter = trainer.drafter_with(on_host=True)
   result = evaluator(trainer.target.model, drafter)
+  summary = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("engine_tau"))
+  _record_evaluation(result, summary=summary, kind="engine evaluation",
+                     seconds=result["engine_eval_s"], trainer=trainer, workdir=workdir, c=c,
+                     best=best, last=last, writer=writer, bar=bar)
+
+
+def _record_evaluation(result: dict[str, Any], *, summary: str, kind: str, seconds: float,
+                       trainer: Trainer, workdir: str, c: ml_collections.ConfigDict,
+                       best: _Best, last: dict[str, Any], writer: "_MetricsWriter",
+                       bar: Any) -> None:
+  """Writes an evaluation's metrics, exports the drafter if it is the best, logs one line."""
   writer.write(trainer.step, result)
   last.update(result)
-  summary = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("engine_tau"))
   summary += _keep_if_best(result, trainer, workdir, c, best=best, last=last)
-  message = f"step {trainer.step}: {summary} (engine evaluation, {result['engine_eval_s']:.1f}s)"
+  message = f"step {trainer.step}: {summary} ({kind}, {seconds:.1f}s)"
   if bar is not None:
     bar.write(message)
   else:
