@@ -197,8 +197,9 @@ def main(argv=None) -> int:
 def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
   """Prints one prompt's answer (and its statistics) from a `GenerationOutput` row."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.transformer import is_half  # pylint: disable=g-import-not-at-top
   fixed_width = out.fixed_width
-  weights = "bf16" if np.dtype(target.weight_dtype).itemsize == 2 else "f32"
+  weights = "bf16" if is_half(target.weight_dtype) else "f32"
   dtype = str(np.dtype(target.dtype))
   new = out.tokens[index]
   answer = tok.decode(new, skip_special_tokens=True)

@@ -15,6 +15,7 @@ import numpy as np
 from dloop_jax import profiles
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.errors import ConfigError
+from dloop_jax.models.transformer import is_half
 
 MODES = ("ar", "sd", "dloop")
 
@@ -24,11 +25,15 @@ def is_int(value) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def validate_mode(mode) -> None:
+  if mode not in MODES:
+    raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+
+
 def validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
              schedule, draft_backoff, tree_budget, confidence="auto") -> None:
   """Raises ConfigError, saying what to change, for arguments `generate()` cannot run."""
-  if mode not in MODES:
-    raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
+  validate_mode(mode)
   if not is_int(tree_budget) or tree_budget < 0:
     raise ConfigError(f"tree_budget must be an int >= 0 (0 = chains), got {tree_budget!r}.")
   if tree_budget and mode == "ar":
@@ -136,7 +141,7 @@ class DecodingShape:
 
 def is_16_bit(target) -> bool:
   """Whether `target` stores its weight matrices or computes in 16 bits."""
-  return any(np.dtype(d).itemsize == 2 for d in (target.weight_dtype, target.dtype))
+  return is_half(target.weight_dtype) or is_half(target.dtype)
 
 
 def resolve_shape(*, target, mode, drafter, block_size, max_stages, schedule, fixed_width,

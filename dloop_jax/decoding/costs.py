@@ -264,12 +264,7 @@ def for_target(target, *, batch_size: int, widths: Sequence[int] = (),
   """
   key = cache_key(target, batch_size=batch_size)
   path = _path(key, directory)
-  table = None if recalibrate else _MEMO.get(path)
-  if table is None and not recalibrate and os.path.exists(path):
-    try:
-      table = load(path)
-    except ConfigError:
-      table = None  # a damaged cache entry is measured again
+  table = None if recalibrate else _stored(path)
   wanted = set(DEFAULT_WIDTHS) | {int(w) for w in widths}
   if table is None:
     table = calibrate(target, batch_size=batch_size, widths=sorted(wanted))
@@ -319,15 +314,22 @@ def cached(target, *, batch_size: int, widths: Sequence[int] = (),
   """The table `for_target` cached for `target` at `batch_size`, if it covers `widths`; no
   measuring."""
   path = _path(cache_key(target, batch_size=batch_size), directory)
+  table = _stored(path)
+  if table is None or (widths and max(widths) > table.widths[-1]):
+    return None
+  _MEMO[path] = table
+  return table
+
+
+def _stored(path: str) -> CostTable | None:
+  """The table cached at `path` (in memory, else on disk); None when missing or damaged
+  (a damaged entry is measured again by `for_target`)."""
   table = _MEMO.get(path)
   if table is None and os.path.exists(path):
     try:
       table = load(path)
     except ConfigError:
       return None
-  if table is None or (widths and max(widths) > table.widths[-1]):
-    return None
-  _MEMO[path] = table
   return table
 
 

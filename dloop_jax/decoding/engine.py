@@ -534,23 +534,16 @@ def _prepare(
   """Validates arguments; returns the static key and the array arguments."""
   if not isinstance(config, DecodingConfig):
     raise ConfigError(f"config must be a DecodingConfig, got {type(config).__name__}.")
+  arguments.validate_mode(config.mode)
+  if grow_cache and config.fixed_width is None:
+    config = config.replace(fixed_width=0)
+  config = config.resolved(target=target, drafter=drafter)
   mode, block_size, gate = config.mode, config.block_size, config.gate
   max_stages, sampling, schedule = config.max_stages, config.sampling, config.schedule
   costs, draft_backoff, tree_budget = config.costs, config.draft_backoff, config.tree_budget
   confidence, fixed_width, profile = config.confidence, config.fixed_width, config.profile
-  allow_inexact = config.allow_inexact
-  if mode not in MODES:
-    raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
-  if grow_cache and fixed_width is None:
-    fixed_width = 0
-  shape = arguments.resolve_shape(
-      target=target, mode=mode, drafter=drafter if mode != "ar" else None,
-      block_size=block_size, max_stages=max_stages, schedule=schedule,
-      fixed_width=fixed_width, tree_budget=tree_budget, profile=profile)
-  block_size, max_stages = shape.block_size, shape.max_stages
-  schedule, fixed_width = shape.schedule, shape.fixed_width
   arguments.validate_exactness(target=target, mode=mode, fixed_width=fixed_width,
-                               tree_budget=tree_budget, allow_inexact=allow_inexact)
+                               tree_budget=tree_budget, allow_inexact=config.allow_inexact)
   arguments.validate_fixed_width(fixed_width=fixed_width, mode=mode, block_size=block_size,
                                  max_stages=max_stages, schedule=schedule,
                                  tree_budget=tree_budget)
