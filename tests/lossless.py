@@ -1,4 +1,4 @@
-"""The near-tie rule of lossless comparisons (DESIGN.md §4), as a test assertion.
+"""The near-tie rule of lossless comparisons (docs/design.md §The near-tie rule), as a test assertion.
 
 `dloop_jax.decoding.lossless` holds the rule; this helper also accepts the
 transformers (PyTorch) reference as the target whose logit gap decides.

@@ -7,7 +7,7 @@
 (b) Logit parity of our forward (prefill, then a second call against the
     cache) with transformers' own GGUF loading: max |diff| <= 2e-3.
 
-Near-tie rule (DESIGN.md section 4): sequences are identical, or at their first
+Near-tie rule (docs/design.md §The near-tie rule): sequences are identical, or at their first
 difference the top-2 logit gap of the model that produced the expected sequence
 is below 1e-3; after such a flip the rest need not match.
 """

@@ -1,4 +1,4 @@
-"""Lossless, in floating point: the near-tie rule (DESIGN.md §4).
+"""Lossless, in floating point: the near-tie rule (docs/design.md §The near-tie rule).
 
 Greedy speculative decoding reproduces greedy autoregressive decoding in exact
 arithmetic. A verification forward over T tokens may differ from T single-token

@@ -172,7 +172,7 @@ def base_config() -> ml_collections.ConfigDict:
 def loop_aware_fine_tune(c: ml_collections.ConfigDict, *, num_steps: int,
                          learning_rate: float, warmup_steps: int,
                          max_stages: int = 3) -> ml_collections.ConfigDict:
-  """The recipe's second step (DESIGN.md section 1) from the config of its first.
+  """The recipe's second step (docs/design.md §Loop-aware training) from the config of its first.
 
   Same drafter, target and data; the objective becomes `loop_aware` over up to
   `max_stages` stages of the first step's objective (its settings kept), with

@@ -50,7 +50,7 @@ Objectives and their `cfg` keys (any Mapping or ConfigDict):
   loop_aware   loop_stages (alias max_stages; 3), fixed_stages (0 = random),
                block_size (drafter's), base_objective (optional check), and
                the base objective's keys (step_decay / anchors_per_sequence).
-    DESIGN.md section 1: S ~ U{1..N} drafting stages of gamma tokens; inputs
+    docs/design.md §Loop-aware training: S ~ U{1..N} drafting stages of gamma tokens; inputs
     are ground-truth tokens, the conditioning at earlier stages' positions is
     the drafter's own hidden states; loss = (L^(1) + L^(S)) / 2, the base
     objective's loss restricted to the first and to the last stage. For
@@ -542,7 +542,7 @@ def _loop_result(first, last, c1, n1, cs, ns, stages):
 
 def loop_aware_loss(drafter, batch: Mapping[str, jax.Array], key: jax.Array, *, cfg: Any = None,
                     progress: jax.Array | None = None):
-  """Loop-aware training (DESIGN.md section 1): (L^(1) + L^(S)) / 2, S ~ U{1..N}."""
+  """Loop-aware training: (L^(1) + L^(S)) / 2, S ~ U{1..N} (docs/design.md §Loop-aware training)."""
   n = int(_get(cfg, "loop_stages", _get(cfg, "max_stages", 3)))
   if n < 1:
     raise ConfigError(f"loop_stages must be >= 1, got {n}.")

@@ -15,7 +15,7 @@ scheduler, `sd` / `dloop`) and every draft (`sd/all` / `dloop/all`), see
 stage (`sd/treeB`, `dloop/treeB`, and `/all`); HF transformers (PyTorch) greedy `generate()` and
 its prompt-lookup decoding on the same weights and threads (--no-peers leaves
 them out). Greedy by default; every output is compared with our `ar` output
-(identical, or differing only after a near-tie of the target, DESIGN.md §4).
+(identical, or differing only after a near-tie of the target, docs/design.md §The near-tie rule).
 With --weights f32,bf16 every method of ours also runs on a target whose weight
 matrices are stored in bf16 (`ar@bf16`, `sd/all/w5@bf16`, ...), timed against the
 f32 `ar` and checked against the bf16 `ar` (at the same fixed width, if any).

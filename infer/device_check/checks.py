@@ -1,6 +1,6 @@
 """Correctness on this device: greedy outputs of every mode against `ar`, and a sampling run.
 
-Three greedy comparisons (DESIGN.md §4), each at every batch size:
+Three greedy comparisons (docs/design.md §The near-tie rule), each at every batch size:
 
   fixed-width bf16   bf16 weights and compute, every target forward W tokens
                      wide (`generate(fixed_width=W)`): sd and dloop must equal
