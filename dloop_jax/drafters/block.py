@@ -105,16 +105,15 @@ class BlockState:
 
 
 # Drafting reads the head rows in bf16 (products accumulate in f32). The head is
-# the largest part of a drafting stage on CPUs: SmolLM2's 49,152 x 576 rows
-# over a stage's 4 positions take 5.4-5.9 ms in f32 and 1.9 ms in bf16 (2-core
-# Xeon with AMX). Drafts are proposals the target checks, so no output changes;
+# the largest product of a drafting stage, and a few rows times a matrix cost
+# the bytes streamed, which bf16 halves (docs/design.md §Choices for XLA:CPU).
+# Drafts are proposals the target checks, so no output changes;
 # the draft logits move by the bf16 rounding of the head and its input.
 DRAFT_HEAD_DTYPE = jnp.bfloat16
 # The same for the layers' matrices while drafting (converted once per
 # generation; a drafter's `draft_layer_dtype`): a stage's few rows times 16-bit
-# matrices stream half the bytes (SmolLM2's block drafter: 0.58 -> 0.37 ms per
-# [576 x 3,072] product of a stage's 5 rows, 2-core Xeon). In 16 bits they are
-# also held out-major, as the target's layers are (`transformer.LAYER_MATRICES`).
+# matrices stream half the bytes. In 16 bits they are also held out-major, as
+# the target's layers are (`transformer.LAYER_MATRICES`).
 DRAFT_LAYER_DTYPE = jnp.bfloat16
 _MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -222,8 +221,7 @@ class BlockDrafter(Drafter):
 
     Sliced and transposed once per generation: inside the engine's loops XLA
     sliced and transposed them from the stacked parameters at every commit and
-    every stage (0.8 ms of a 25 ms round of SmolLM2's block drafter, 2-core
-    Xeon).
+    every stage (docs/design.md §Work done once per generation).
     """
     return jnp.swapaxes(self.wqkv[...][..., self.spec.q_size:], 1, 2)
 
@@ -312,8 +310,8 @@ class BlockDrafter(Drafter):
     Sliced once per generation and carried in the state: XLA does not hoist a
     slice out of a loop (it counts as too cheap to be worth it), so slices of
     the stacked parameters inside the engine's round loop copied every layer
-    matrix in every drafting stage (2.8 ms of a 42 ms round of SmolLM2's block
-    drafter on a 2-core Xeon). The matrices are read in `draft_layer_dtype`,
+    matrix in every drafting stage (docs/design.md §Work done once per
+    generation). The matrices are read in `draft_layer_dtype`,
     transposed ([N, K]) when that is a 16-bit dtype (`drafts_out_major`).
     """
     dtype = self.draft_layer_dtype
