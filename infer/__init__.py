@@ -8,8 +8,7 @@ def enable_compilation_cache() -> None:
 
   A second run of the same command then loads its decode programs instead of
   compiling them: it still traces and lowers them, and the load itself takes
-  time (SmolLM2-135M's dloop program on a 2-core CPU: 12.9 s loaded against
-  23.5 s compiled, plus 8 s of tracing and lowering either way).
+  a good part of the compile time, so a cached start is faster, not instant.
   """
   import jax  # pylint: disable=g-import-not-at-top
   cache_dir = os.environ.get("DLOOP_JAX_CACHE", os.path.join(

@@ -22,9 +22,8 @@ so draft i + 1 depends on the drafts before it. At inference a GRU step
 projects the one token it reads, e(x) W_ih^T ([D] x [D, 3G]), and multiplies
 its state by W_hh (G x 3G). A table of every vocabulary entry's projection
 ([V, 3G]) would save those products at the price of computing all V of them:
-for SmolLM2 (V = 49,152, D = 576, 3G = 768) 21.7 GFLOP, 0.3-0.8 s per
-generation on a 2-core CPU, more than the head's products over a whole answer
-(a few hundred tokens). DLoop's gate scores the corrected log-probabilities.
+for SmolLM2 (V = 49,152, D = 576, 3G = 768) 21.7 GFLOP per generation, more
+than the head's products over a whole answer (a few hundred tokens). DLoop's gate scores the corrected log-probabilities.
 
 The GRU state lives only inside a stage: every stage (every block) starts from
 a zero state over its own anchor, as in training, so nothing of the head is

@@ -55,7 +55,7 @@ class _Reader(gguf.GGUFReader):
 
   The reader slices its `data` memmap once per metadata part (about 250k times
   for a 49k-token vocabulary), and every `np.memmap` slice runs a Python
-  `__array_finalize__`; a plain view of the same mapping parses 3x faster.
+  `__array_finalize__`; a plain view of the same mapping skips that call.
   """
 
   @property

@@ -5,7 +5,7 @@ From a GGUF file it is rebuilt from the file's vocabulary, merges, token types,
 pre-tokenizer name and chat template with transformers' own GGUF conversion
 (`transformers.integrations.gguf`), so it encodes exactly as
 `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does, but without that
-call's second full read of the file (about 10x faster).
+call's second full read of the file, which is most of its time.
 """
 
 from __future__ import annotations
