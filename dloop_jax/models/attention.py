@@ -259,8 +259,8 @@ def _ungroup(out: jax.Array, *, batch: int, num_new: int) -> jax.Array:
 # When many (row, kv head) pairs each read a long cache with a few queries
 # (batched decode steps: dataset builds at batch 64), XLA:CPU multiplies the
 # cache by the queries several times faster into slot-major scores [n, C, q]
-# than into query-major ones [n, q, C] (192 pairs, 3 queries, 576 slots: 8 ms
-# against 38 ms per layer). The softmax still runs over the minor axis of a
+# than into query-major ones [n, q, C] (docs/design.md §Choices for XLA:CPU).
+# The softmax still runs over the minor axis of a
 # transposed copy (a max over a major axis is as slow as the product was); the
 # barrier keeps XLA from folding the transpose back into the product. With a
 # few rows the query-major product is as fast or faster, so the shapes decide.

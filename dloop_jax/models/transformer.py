@@ -111,12 +111,12 @@ MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate
                   "layers.w_down")
 # A layer's matrices [K, N]. Stored in 16 bits, a layer holds them out-major,
 # transposed to [N, K], and multiplies them with the matrix on the left (see
-# `_product`): on XLA:CPU (AVX-512 / AMX Xeon, SmolLM2's 30 layers, bf16
-# weights) that streams them at memory speed for 1 to 256 rows, 8.3-9.7 ms for
-# 1-13 rows against 18-22 ms stored [K, N] (f32 [K, N]: 16 ms for one row,
-# 44 ms for 13), and gives a row of the product the same bits whatever the
-# number of rows beside it (the attention's f32 products do not: a fixed
-# forward width, `generate(fixed_width=)`, is what makes widths agree exactly).
+# `_product`): XLA:CPU streams them so at memory speed for one to a few hundred
+# rows, where stored [K, N] a product of a few rows leaves its fast kernels,
+# and a row of the product gets the same bits whatever the number of rows
+# beside it (the attention's f32 products do not: a fixed forward width,
+# `generate(fixed_width=)`, is what makes widths agree exactly; docs/design.md
+# §Choices for XLA:CPU).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 _STACKED_LAYER_MATRICES = tuple(f"layers.{name}" for name in LAYER_MATRICES)
 
@@ -254,14 +254,12 @@ def is_half(dtype) -> bool:
 
 
 # A tied head over a few rows (verification widths 2-5, a block drafter's
-# positions) is about twice as fast on XLA:CPU computed as rows [V, D] @ h.T,
-# the matrix on the left, than as h @ rows.T (SmolLM2's 49,152 x 576 embedding,
-# 2 to 5 rows: 9-15 ms against 21-24 ms; one row: the same). From about 9 rows
-# the usual form is faster again. The barrier keeps XLA from folding the
+# positions) is faster on XLA:CPU computed as rows [V, D] @ h.T, the matrix on
+# the left, than as h @ rows.T; for one row the two are alike, and from about
+# 9 rows the usual form is faster again. The barrier keeps XLA from folding the
 # transpose of the small [V, rows] result back into the product. The same holds
-# for 16-bit rows: SmolLM2's bf16 head over a 5-token verification 3.4 -> 2.5 ms
-# inside the decode loop (1.82 -> 1.54 ms alone), the block drafter's 16,384
-# draft rows over a stage's 4 positions 0.66 -> 0.60 ms alone.
+# for 16-bit rows, a target's head and a drafter's restricted head alike
+# (docs/design.md §Choices for XLA:CPU).
 WEIGHTS_LEFT_MAX_ROWS = 8
 # 16-bit rows go on the left up to this many rows (measured faster up to 256,
 # a 1,024-token prompt's prefill included; beyond, the [V, rows] result's
@@ -351,8 +349,8 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
   A 16-bit table is gathered as its raw 16-bit patterns. Gathered as bf16,
   XLA:CPU converts the whole table to f32 for the gather and hoists that out
-  of the loop around it (SmolLM2's 49,152 x 576 embedding: 87 ms in every
-  EAGLE-3 drafting stage on a bf16 target, 120 ms a stage instead of 9).
+  of the loop around it: a conversion of the whole embedding where a few rows
+  are read (an EAGLE-3 drafting stage on a bf16 target paid it every stage).
   """
   if not is_half(table.dtype):
     return jnp.take(table, ids, axis=0)
