@@ -7,9 +7,9 @@ targets) the builder runs our batched `generate()` in mode "ar" with
 `capture_taps`, which returns the tapped hidden states of every position the
 target read while generating: no second forward pass. With `grow_cache` the
 KV cache grows with the longest row, so a step attends over about the live
-context, not the whole capacity (2.6x faster on 500-token prompts). (Measured on a 2-core
-CPU at batch 32: capturing costs ~5 % of the decode; a second forward over
-the finished sequences, even packed into 1,536-token forwards, cost 60-80 %.)
+context, not the whole capacity. Capturing adds little to the decode, where a
+second forward over the finished sequences, even packed, would add a large
+part of it (measurements: docs/data.md).
 
 Every example (L = prompt_len + response_len):
 

@@ -183,8 +183,8 @@ class HFPeer:
 def timed_run(method, prompt_ids: Sequence[int], **kwargs) -> Run:
   """`method.run`, timed warm: a run that compiled (a new shape bucket) is repeated.
 
-  The first execution of a freshly compiled program runs cold (about 4 ms more
-  per step here), a cost the peers, warmed up once, do not pay per prompt
+  The first execution of a freshly compiled program runs cold (slower per
+  step), a cost the peers, warmed up once, do not pay per prompt
   shape. The repeat gives the same tokens; its time is recorded, and the
   compile time of the first run.
   """
