@@ -7,8 +7,8 @@ are large (3 taps x 576 values x 2 bytes = 3.4 kB a token on SmolLM2-135M,
 about 1 GB per 1,000 answers), while the answers take ~2 bytes a token
 compressed. A response store keeps only the answers, so it fits where the
 features do not (the repository, a small volume), and a build on another
-machine reads it instead of answering again: a store of 10,000 SmolLM2 answers
-spares about three hours of decoding on a 2-core CPU.
+machine reads it instead of answering again, sparing the hours of decoding
+that the answers took (docs/data.md).
 
 Layout of a store, one directory per build setting (`store_name`):
 

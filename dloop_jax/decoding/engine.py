@@ -77,11 +77,11 @@ if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
   from dloop_jax.drafters.base import Drafter
 
 MODES = arguments.MODES
-# Longest drafting pause (rounds) by default with schedule="cost". On the 2-core
-# CPU a drafting stage costs about 40 % of a target step, so a drafter that keeps
-# failing is worth pausing for long: with the shipped drafters 64 measured ~3 %
-# faster than 8 overall (docs/benchmarks.md); a pause that long needs 7 fruitless
-# drafting rounds in a row, and the first accepted draft resets it.
+# Longest drafting pause (rounds) by default with schedule="cost". Where a
+# drafting stage costs a sizable part of a target step (CPUs), a drafter that
+# keeps failing is worth pausing for long (measured against 8: docs/benchmarks.md,
+# the drafting back-off); a pause that long needs 7 fruitless drafting rounds in
+# a row, and the first accepted draft resets it.
 DEFAULT_DRAFT_BACKOFF = 64
 
 
