@@ -13,7 +13,9 @@ being baked into shared code:
     tpu      bfloat16  bf16                     16 tokens wide
 
 f32 targets run each forward as wide as its tokens, the cost scheduler
-choosing how many drafts to verify.
+choosing how many drafts to verify. The `cpu` profile writes forwards in
+XLA:CPU's forms, the accelerator profiles in the standard one
+(`models.cpu_kernels`).
 
 Why (docs/decoding.md, "Profiles"): a fixed width pays where a forward of a
 few tokens costs about what a one-token step costs. On accelerators that holds
@@ -58,6 +60,9 @@ class Profile:
       see `decoding.arguments.validate_exactness`), widened where the options
       ask for more drafts. f32 targets run at free widths.
     max_stages: S_max by default.
+    cpu_kernels: whether forwards take XLA:CPU's forms (out-major 16-bit
+      matrices, padded one-row products, barriers; `models.cpu_kernels`)
+      instead of the standard one.
     why: one line on the choice, printed by the command line.
   """
 
@@ -66,6 +71,7 @@ class Profile:
   weights: str
   fixed_width: int
   max_stages: int = DEFAULT_MAX_STAGES
+  cpu_kernels: bool = False
   why: str = ""
 
 
@@ -89,9 +95,9 @@ def _cpu_flags() -> frozenset[str]:
 def _cpu_profile() -> Profile:
   if cpu_has_amx():
     return Profile(name="cpu", dtype="float32", weights="bf16", fixed_width=CPU_FIXED_WIDTH,
-                   why="CPU with AMX-BF16: bf16 weight matrices, every forward 5 tokens wide")
+                   cpu_kernels=True, why="CPU with AMX-BF16: bf16 weight matrices, every forward 5 tokens wide")
   return Profile(name="cpu", dtype="float32", weights="f32", fixed_width=CPU_FIXED_WIDTH,
-                 why="CPU without AMX: f32 weights (bf16 one-token steps are slower there),"
+                 cpu_kernels=True, why="CPU without AMX: f32 weights (bf16 one-token steps are slower there),"
                      " free widths chosen by the cost scheduler")
 
 

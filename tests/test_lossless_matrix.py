@@ -20,10 +20,10 @@ import pytest
 from flax import nnx
 
 from dloop_jax.decoding import generate
+from dloop_jax.decoding.engine import decode_jaxpr
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
-from dloop_jax.models.config import tiny_target
-from dloop_jax.models.transformer import Transformer
+from dloop_jax.models.transformer import Transformer, tiny_target
 from lossless import assert_same_or_near_tie
 
 KINDS = {
@@ -91,11 +91,21 @@ def test_16_bit_sd_and_the_gpu_profile_equal_ar_bit_for_bit(targets, drafters):
   ar = generate(target, prompts, **sd_shape)
   out = generate(target, prompts, mode="sd", drafter=drafter, **sd_shape)
   assert out.fixed_width == ar.fixed_width == 5 and out.tokens == ar.tokens
-  # The accelerator profile on this CPU: its own (wider) width, the same contract.
-  ar = generate(target, prompts, profile="gpu", **SHAPE)
-  out = generate(target, prompts, mode="dloop", drafter=drafter, gate=-math.inf,
+  # The accelerator profile on this CPU, as `load_target(profile="gpu")` builds
+  # it: bf16 compute and cache, the standard product forms (no out-major
+  # matrices, no barriers: `models.cpu_kernels`), its own wider width.
+  gpu = Transformer.from_params(target.config, targets["f32"].flat_params(),
+                                dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16, cpu_kernels=False)
+  gpu_drafter = build_drafter(KINDS["block"], target=gpu, rngs=nnx.Rngs(7))
+  assert target.out_major and not gpu.out_major
+  ar = generate(gpu, prompts, profile="gpu", **SHAPE)
+  out = generate(gpu, prompts, mode="dloop", drafter=gpu_drafter, gate=-math.inf,
                  profile="gpu", **SHAPE)
   assert out.fixed_width == ar.fixed_width == 16 and out.tokens == ar.tokens
+  programs = {t.cpu_kernels: str(decode_jaxpr(t, prompts[:1], mode="ar", max_new_tokens=4))
+              for t in (target, gpu)}
+  assert "optimization_barrier" not in programs[False]
+  assert "optimization_barrier" in programs[None]  # the CPU forms, this backend's default
 
 
 @pytest.mark.parametrize("options", [

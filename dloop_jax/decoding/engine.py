@@ -68,6 +68,7 @@ from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.config import DecodingConfig
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
 from dloop_jax.errors import ConfigError, PromptTooLongError
+from dloop_jax.models import cpu_kernels
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import sharding as sharding_lib
 from dloop_jax.models.registry import LoadedTarget
@@ -104,6 +105,9 @@ class _Static:
   tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains (`decoding.tree_round`)
   grow_cache: bool = False  # "ar" only: the cache grows in steps (`cache_ladder`)
   fixed_width: int = 0  # every target forward after prefill has this width (0: as needed)
+  # The widths the cost table leaves worth compiling (`schedule.choosable_widths`);
+  # empty: every candidate width.
+  choosable: tuple[int, ...] = ()
 
   @property
   def draft_width(self) -> int:
@@ -116,6 +120,13 @@ class _Static:
   @property
   def widths(self) -> tuple[int, ...]:
     """The compiled verification widths."""
+    if self.choosable:
+      return self.choosable
+    return self.candidate_widths
+
+  @property
+  def candidate_widths(self) -> tuple[int, ...]:
+    """The widths a round of this shape may verify, before the cost table prunes them."""
     if self.mode == "ar":
       return (1,)
     if self.fixed_width:
@@ -553,6 +564,9 @@ def _prepare(
             confidence=confidence)
   if not isinstance(sampling, sampling_lib.SamplingConfig):
     raise ConfigError("sampling must be a SamplingConfig.")
+  if not (isinstance(config.width_tolerance, (int, float)) and config.width_tolerance >= 0):
+    raise ConfigError(f"width_tolerance must be a number >= 0 (0 compiles every width), got"
+                      f" {config.width_tolerance!r}.")
   if capture_taps and mode != "ar":
     raise ConfigError("capture_taps is only supported in mode='ar'.")
   if grow_cache and mode != "ar":
@@ -606,6 +620,11 @@ def _prepare(
   if static.schedule == "cost":
     cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths,
                              profile=profile)
+    keep = schedule_lib.choosable_widths(static.widths, [float(c) for c in cost],
+                                         tolerance=config.width_tolerance)
+    if keep != static.widths:
+      cost = np.asarray([c for w, c in zip(static.widths, cost) if w in keep], np.float32)
+      static = dataclasses.replace(static, choosable=keep)
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
   if draft_backoff is None:
@@ -643,6 +662,12 @@ def _matmul_precision(target: Transformer):
   return jax.default_matmul_precision("highest")
 
 
+def _kernel_forms(target: Transformer):
+  """The product forms of the whole program, drafter included: the target's
+  (`models.cpu_kernels`)."""
+  return cpu_kernels.use(cpu_kernels.resolve(target.cpu_kernels))
+
+
 def _split_options(config: DecodingConfig | None, kwargs: dict) -> tuple[DecodingConfig, dict]:
   """(the config with the keyword overrides that name its fields, the other keywords)."""
   overrides = {k: v for k, v in kwargs.items() if k in config_lib.FIELDS}
@@ -663,7 +688,8 @@ def decode_jaxpr(target: Transformer, prompts: Sequence[Sequence[int]], *, max_n
   """The jaxpr of the program `generate()` would run (for inspection and tests)."""
   config, rest = _split_options(config, kwargs)
   static, args = _prepare(target, prompts, config=config, max_new_tokens=max_new_tokens, **rest)
-  return jax.make_jaxpr(lambda *a: _decode(static, *a))(*args)
+  with _kernel_forms(target):
+    return jax.make_jaxpr(lambda *a: _decode(static, *a))(*args)
 
 
 def generate(
@@ -772,7 +798,7 @@ def generate(
   compiled = _COMPILED.get(static)
   if compiled is None:
     t0 = time.perf_counter()
-    with _matmul_precision(target):
+    with _matmul_precision(target), _kernel_forms(target):
       compiled = jax.jit(_decode, static_argnums=0).lower(static, *args).compile()
     compile_seconds = time.perf_counter() - t0
     _COMPILED[static] = compiled
@@ -803,4 +829,4 @@ def generate(
       block_size=gamma or None, gate=float(gate) if mode == "dloop" else None,
       max_stages=s_max if not is_ar else None,
       schedule=static.schedule if not is_ar else None, features=feats,
-      fixed_width=static.fixed_width or None)
+      fixed_width=static.fixed_width or None, widths=static.widths)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dloop_jax.models import cpu_kernels
+
 # Attention implementations a target may be built with (`Transformer(attention_impl=)`).
 ATTENTION_IMPLS = ("xla", "cudnn", "dot_product")
 
@@ -269,7 +271,8 @@ SLOT_MAJOR_MAX_QUERIES = 64
 
 
 def _slot_major(*, pairs: int, queries: int) -> bool:
-  return pairs >= SLOT_MAJOR_MIN_PAIRS and queries <= SLOT_MAJOR_MAX_QUERIES
+  return (pairs >= SLOT_MAJOR_MIN_PAIRS and queries <= SLOT_MAJOR_MAX_QUERIES
+          and cpu_kernels.active())
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

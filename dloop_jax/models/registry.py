@@ -170,7 +170,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
       devices (`models.sharding`), and `generate()` decodes on the mesh.
     profile: "cpu", "gpu", "tpu" or None (this backend's): where `dtype` and
       `weights` are not given, they come from it (`python -m infer` uses the
-      same defaults).
+      same defaults); it also picks the forwards' product forms
+      (`models.cpu_kernels`: XLA:CPU's for "cpu", the standard one else).
 
   Returns:
     A `LoadedTarget`.
@@ -216,5 +217,5 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
         f"The tokenizer in {path!r} has {base_vocab} tokens but the model's vocabulary only"
         f" {config.vocab_size}; they do not belong to the same model.")
   model = Transformer.from_params(config, params, dtype=dtype, weight_dtype=stored, source=path,
-                                 mesh=mesh)
+                                 mesh=mesh, cpu_kernels=profiles.resolve(profile).cpu_kernels)
   return LoadedTarget(model=model, config=config, tokenizer=tokenizer, source=path, name=name)

@@ -43,11 +43,12 @@ from flax import struct
 
 from dloop_jax.errors import ModelLoadError
 from dloop_jax.models import attention as attention_lib
+from dloop_jax.models import cpu_kernels as cpu_kernels_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
 from dloop_jax.models import sharding as sharding_lib
 from dloop_jax.models.attention import attention  # noqa: F401 (re-exported: drafters use it)
-from dloop_jax.models.config import TransformerConfig
+from dloop_jax.models.config import TransformerConfig, tiny_config
 
 
 def param_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
@@ -304,7 +305,8 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
   weights at the speed of an f32 matrix-vector product. The product then
   gives a row the same bits whether it arrives alone or with others (XLA:CPU's
   f32 matrix-vector kernel does not: it differs from the matrix product in the
-  last bits).
+  last bits). Those forms are XLA:CPU's (`models.cpu_kernels`); in the
+  standard form the product is one `dot_general`.
 
   Returns:
     (f32 product [..., N], x's original dtype).
@@ -316,6 +318,9 @@ def _product(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, Any]
   rows = int(np.prod(lead)) if lead else 1
   flat = x.reshape(rows, x.shape[-1])
   half = is_half(w.dtype)
+  if not cpu_kernels_lib.active():
+    out = f32_dot_general(flat, w, (((1,), (contract,)), ((), ())))
+    return out.reshape(lead + (out.shape[-1],)), out_dtype
   if rows == 1 and half:
     flat = jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0)
   if contract == 1 and (1 < rows <= WEIGHTS_LEFT_MAX_ROWS
@@ -352,7 +357,7 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   of the loop around it: a conversion of the whole embedding where a few rows
   are read (an EAGLE-3 drafting stage on a bf16 target paid it every stage).
   """
-  if not is_half(table.dtype):
+  if not is_half(table.dtype) or not cpu_kernels_lib.active():
     return jnp.take(table, ids, axis=0)
   # Tied to the ids, the table is no loop invariant: XLA cannot hoist (and
   # materialize) its reinterpretation out of a decode loop.
@@ -393,12 +398,23 @@ def _swap_matrix_axes(stacked: dict[str, Any]) -> dict[str, Any]:
 PREFILL_CHUNK = 1024
 
 
+def _in_own_kernel_forms(method):
+  """Traces a `Transformer` method in the product forms its `cpu_kernels` asks for."""
+
+  @functools.wraps(method)
+  def traced(self, *args, **kwargs):
+    with cpu_kernels_lib.use(cpu_kernels_lib.resolve(self.cpu_kernels)):
+      return method(self, *args, **kwargs)
+
+  return traced
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM whose forward takes and returns an explicit KV cache."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
                dtype=jnp.float32, weight_dtype=None, init_std: float = 0.02,
-               cache_dtype=None, attention_impl: str = "xla"):
+               cache_dtype=None, attention_impl: str = "xla", cpu_kernels: bool | None = None):
     """Random initialisation (loaders use `from_params`).
 
     Args:
@@ -415,6 +431,9 @@ class Transformer(nnx.Module):
         bytes a decode step reads from the cache.
       attention_impl: "xla" (default), "cudnn" or "dot_product"; see
         `attention.ATTENTION_IMPLS`.
+      cpu_kernels: write forwards in XLA:CPU's forms (True), in the standard
+        form (False), or as this process's backend wants (None); see
+        `models.cpu_kernels`. It decides how 16-bit matrices are stored.
     """
     if attention_impl not in attention_lib.ATTENTION_IMPLS:
       raise ValueError(f"attention_impl must be one of {attention_lib.ATTENTION_IMPLS},"
@@ -425,6 +444,7 @@ class Transformer(nnx.Module):
     self.weight_dtype = jnp.dtype(dtype if weight_dtype is None else weight_dtype)
     self.cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
     self.attention_impl = attention_impl
+    self.cpu_kernels = cpu_kernels
     self.layout: sharding_lib.Layout | None = None  # a mesh placement (`from_params(mesh=)`)
     c = config
     init = nnx.initializers.normal(init_std)
@@ -449,8 +469,9 @@ class Transformer(nnx.Module):
   # ----------------------------------------------------------------- weights
   @property
   def out_major(self) -> bool:
-    """Whether the layers hold their matrices transposed (16-bit storage, `LAYER_MATRICES`)."""
-    return is_half(self.weight_dtype)
+    """Whether the layers hold their matrices transposed (16-bit storage in XLA:CPU's
+    form, `LAYER_MATRICES`)."""
+    return is_half(self.weight_dtype) and cpu_kernels_lib.resolve(self.cpu_kernels)
 
   @property
   def mesh(self) -> jax.sharding.Mesh | None:
@@ -466,11 +487,12 @@ class Transformer(nnx.Module):
   def from_params(cls, config: TransformerConfig, params: Mapping[str, np.ndarray], *,
                   dtype=jnp.float32, weight_dtype=None, source: str = "",
                   mesh: jax.sharding.Mesh | None = None, cache_dtype=None,
-                  attention_impl: str = "xla") -> "Transformer":
+                  attention_impl: str = "xla", cpu_kernels: bool | None = None
+                  ) -> "Transformer":
     """Builds a model from a flat `{name: array}` dict in `param_shapes` layout.
 
-    `dtype`, `weight_dtype`, `cache_dtype` and `attention_impl` as in the
-    constructor. With `mesh`, each
+    `dtype`, `weight_dtype`, `cache_dtype`, `attention_impl` and
+    `cpu_kernels` as in the constructor. With `mesh`, each
     weight goes from host memory straight to its shards
     (`models.sharding`): no device ever holds a whole matrix it does not own,
     and the model's forwards and caches follow that placement.
@@ -489,7 +511,8 @@ class Transformer(nnx.Module):
             f" {tuple(params[name].shape)}, the config needs {shape}.")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
                                        weight_dtype=weight_dtype, cache_dtype=cache_dtype,
-                                       attention_impl=attention_impl))
+                                       attention_impl=attention_impl,
+                                       cpu_kernels=cpu_kernels))
     lay = sharding_lib.layout(config, mesh) if mesh is not None else None
     model.layout = lay
 
@@ -560,6 +583,7 @@ class Transformer(nnx.Module):
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     return take_rows(self.embed[...], tokens)
 
+  @_in_own_kernel_forms
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> f32 logits [..., V]."""
     if self.lm_head is None:
@@ -567,6 +591,7 @@ class Transformer(nnx.Module):
     out, _ = _product(hidden, self.lm_head[...], 0)
     return out.astype(jnp.float32)
 
+  @_in_own_kernel_forms
   def __call__(
       self,
       tokens: jax.Array,
@@ -712,3 +737,8 @@ class Transformer(nnx.Module):
       cache = kv_lib.KVCache(k=tuple(k_caches), v=tuple(v_caches), lengths=starts + t)
     return ForwardOutput(logits=logits, cache=cache, taps=tapped, hidden=hidden,
                          new_kv=tuple(new_kv))
+
+
+def tiny_target(*, seed: int = 0, init_std: float = 0.3, **overrides) -> Transformer:
+  """A tiny random target with peaked next-token distributions (tests, tiny configs)."""
+  return Transformer(tiny_config(**overrides), rngs=nnx.Rngs(seed), init_std=init_std)
