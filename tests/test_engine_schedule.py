@@ -185,13 +185,28 @@ def _dloop(tiny, drafter, costs, gate=-2.0, **kw):
                   **kw)
 
 
+def test_choosable_widths_drop_widths_a_wider_one_nearly_matches():
+  widths = (1, 2, 3, 5, 9, 13)
+  flat = (1.0, 1.003, 1.006, 1.013, 1.025, 1.038)
+  assert schedule_lib.choosable_widths(widths, flat, tolerance=0.02) == (1, 5, 13)
+  assert schedule_lib.choosable_widths(widths, flat, tolerance=0.1) == (1, 13)
+  assert schedule_lib.choosable_widths(widths, flat, tolerance=0.0) == widths
+  steep = (30.0, 40.4, 46.0, 51.7, 63.6, 66.8)  # a CPU's: every width pays somewhere
+  assert schedule_lib.choosable_widths(widths, steep, tolerance=0.02) == widths
+  # A wider width that costs less than a narrower one always replaces it.
+  assert schedule_lib.choosable_widths((1, 3, 5), (1.0, 2.0, 1.5), tolerance=0.0) == (1, 5)
+  with pytest.raises(ValueError, match="tolerance"):
+    schedule_lib.choosable_widths(widths, flat, tolerance=-0.1)
+
+
 def test_flat_table_verifies_everything_steep_nothing(tiny, drafters):
   """Flat: every draft verified (as schedule="off"); steep: plain decode steps only."""
   ar = generate(tiny, [P, Q], max_new_tokens=MAX_NEW)
   flat = _dloop(tiny, drafters["perturbed"], {1: 1.0, 7: 1.0})
   off = _dloop(tiny, drafters["perturbed"], None, schedule="off")
   assert flat.tokens == off.tokens == ar.tokens
-  assert [r.as_dict() for r in flat.rows] == [r.as_dict() for r in off.rows]
+  # A flat table compiles the plain step and the widest verification only.
+  assert off.widths == (3, 5, 7) and flat.widths == (1, 7)
   for row in flat.rows:
     assert row.verified == row.drafted > 0 and row.plain_rounds == 0
   steep = _dloop(tiny, drafters["perturbed"], {w: 10.0 ** w for w in range(1, 8)})
@@ -200,6 +215,7 @@ def test_flat_table_verifies_everything_steep_nothing(tiny, drafters):
     assert row.verified == row.accepted == 0 and row.drafted > 0
     assert row.plain_rounds == row.rounds == MAX_NEW - 1 == row.target_tokens
   assert steep.schedule == "cost" and off.schedule == "off"
+  assert steep.widths == (1, 2, 3, 5, 7)
 
 
 def test_confident_drafter_is_verified_weak_one_mostly_not(tiny, drafters):

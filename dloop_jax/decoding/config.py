@@ -40,6 +40,10 @@ class DecodingConfig:
       None the profile's (16-bit targets) or free (f32 targets).
     draft_backoff: longest drafting pause in rounds (None: by schedule).
     costs: the scheduler's cost table (None: cached or the profile's default).
+    width_tolerance: with schedule="cost", a width whose forward costs within
+      this fraction of a wider compiled width's is not compiled (the
+      scheduler loses at most this fraction of a round's tokens per cost;
+      0: compile every width; `schedule.choosable_widths`).
     sampling: greedy by default.
     profile: "cpu", "gpu", "tpu" or None (this backend's).
     allow_inexact: run a 16-bit target at free widths anyway.
@@ -55,6 +59,7 @@ class DecodingConfig:
   fixed_width: int | None = None
   draft_backoff: int | None = None
   costs: Any = None
+  width_tolerance: float = 0.02
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
   profile: str | None = None
   allow_inexact: bool = False

@@ -89,6 +89,40 @@ def widths_for_drafts(stage_drafts: Sequence[int], *, schedule: str) -> tuple[in
   return tuple(sorted(widths))
 
 
+def choosable_widths(widths: Sequence[int], costs: Sequence[float], *,
+                     tolerance: float) -> tuple[int, ...]:
+  """The widths worth compiling under a cost table: `widths` less those a wider one
+  nearly matches in cost.
+
+  The scheduler picks the width of the best expected tokens per cost, and
+  the expected tokens of a width never fall as it widens. So dropping a
+  width w whose next kept wider width costs at most (1 + tolerance) x
+  cost(w) loses at most that fraction of the best ratio, in every round.
+  Width 1 (the plain step) and the widest stay. A flat table (accelerators:
+  one to a few dozen tokens cost about the same) keeps few widths; a steep
+  one (CPUs) keeps them all. For example, with widths (1, 2, 3, 5, 9, 13),
+  costs (1.0, 1.003, 1.006, 1.013, 1.025, 1.038) and tolerance 0.02:
+
+      13 kept (widest)   9: 1.038 <= 1.02 x 1.025, dropped
+      5: 1.038 > 1.02 x 1.013, kept   3, 2: within 2 % of 5's, dropped
+      -> (1, 5, 13)
+
+  Args:
+    widths: the compiled candidates, increasing, widths[0] = 1.
+    costs: a forward's cost at each of them.
+    tolerance: >= 0; 0 keeps every width.
+  """
+  if tolerance < 0:
+    raise ValueError(f"tolerance must be >= 0, got {tolerance}.")
+  kept = [widths[-1]]
+  next_cost = costs[-1]
+  for w, c in zip(reversed(widths[:-1]), reversed(costs[:-1])):
+    if w == 1 or next_cost > (1.0 + tolerance) * c:
+      kept.append(w)
+      next_cost = c
+  return tuple(reversed(kept))
+
+
 def draft_confidence(*, logprobs: jax.Array, probs: jax.Array | None,
                      config: sampling_lib.SamplingConfig) -> jax.Array:
   """c_k of one stage's drafts: the drafter's estimate that draft k is accepted.

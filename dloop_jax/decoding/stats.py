@@ -69,6 +69,7 @@ class GenerationOutput:
     compile_seconds: time spent compiling in this call (0 when cached).
     schedule: "cost" or "off" (sd / dloop; None for ar).
     fixed_width: the width of every forward after prefill (None: free widths).
+    widths: the verification widths the program compiled (`decoding.schedule`).
     features: with `capture_taps`, per row [positions, n_taps, D] target taps
       at every position the target read (prompt + all new tokens but the last).
   """
@@ -84,6 +85,7 @@ class GenerationOutput:
   schedule: str | None = None
   features: list[np.ndarray] | None = None
   fixed_width: int | None = None
+  widths: tuple[int, ...] = ()
 
   @property
   def total(self) -> RowStats:
