@@ -1,7 +1,10 @@
-"""Engine acceptance length of drafters on held-out prompts, with head ablations.
+"""Engine acceptance length of drafters on held-out prompts, with head ablations, and the
+teacher-forced held-out metric beside it.
 
     python -m train.evaluate --drafters smollm2-135m-instruct-block,runs/domino_all/best
     python -m train.evaluate --drafters runs/domino_all/best --heads-off   # + correction off
+    python -m train.evaluate --drafters runs/block/best --heldout-data DATASET \
+        --heldout-examples 128 --heldout-config configs/smollm2_block.py:cpu10k
 
 For each drafter (a shipped name, an export directory or a training workdir)
 it runs greedy `generate()` over the benchmark's held-out prompts (math, code,
@@ -14,6 +17,17 @@ head, Domino's correction head) is also measured switched off
 (`dloop_jax.drafters.ablation.without_head`): the rest of the drafter is the
 trained one, so the difference is what the head adds at inference.
 
+With --heldout-data, each drafter is also measured teacher-forced on the last
+--heldout-examples examples of that dataset's training split: the examples a
+run with `data.heldout_examples` of the same count never trained on (the same
+split rule, `pipeline.heldout_batches`), in the training data's own domain.
+It reports heldout acc_1..K, the τ they imply and the standard error of each
+(`dloop_jax.training.heldout`): the trainer's `heldout_*` metrics, which a run
+with the same settings logs for the same drafter. The drafts measured are those
+of --heldout-config's objective (a training config: its objective, objective
+settings, row length and compute dtype; default the base config with the
+objective the export names), so measure drafters of one A/B with one config.
+
 Run it with nothing else on the cores only when the seconds matter; τ does not
 depend on timing.
 """
@@ -21,8 +35,11 @@ depend on timing.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import importlib.util
 import json
+import os
 import sys
 import time
 
@@ -56,6 +73,18 @@ def _parse(argv):
                  help="draft trees of this many nodes a stage (0: chains; drafters with trees)")
   p.add_argument("--data-dir", default="",
                  help="where the ShareGPT held-out prompts are (or are built); '' = default")
+  p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
+                 help="measure engine τ (--no-engine: the held-out metric only)")
+  p.add_argument("--heldout-data", default="",
+                 help="a dataset built with `python -m train.data` (features of the drafters'"
+                      " taps): also report the teacher-forced held-out metric on it")
+  p.add_argument("--heldout-examples", type=int, default=128,
+                 help="the last N examples of its training split (as data.heldout_examples=N)")
+  p.add_argument("--heldout-config", default="",
+                 help="FILE[:RECIPE] training config whose objective, objective_cfg,"
+                      " data.seq_len and compute_dtype the held-out drafts follow"
+                      " ('' = the base config with the export's objective)")
+  p.add_argument("--heldout-batch-size", type=int, default=8, help="held-out rows per forward")
   p.add_argument("--json", default="", help="also write the rows to this JSON file")
   args = p.parse_args(argv)
   args.drafters = [d for d in args.drafters.split(",") if d]
@@ -64,8 +93,10 @@ def _parse(argv):
     p.error("--drafters names no drafter")
   if not args.modes or set(args.modes) - {"sd", "dloop"}:
     p.error(f"--modes must be a non-empty subset of sd,dloop; got {','.join(args.modes)!r}")
+  if not args.engine and not args.heldout_data:
+    p.error("--no-engine leaves nothing to measure: give --heldout-data")
   for flag in ("prompts_per_category", "max_new_tokens", "max_prompt_tokens", "block_size",
-               "max_stages"):
+               "max_stages", "heldout_examples", "heldout_batch_size"):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1")
   for flag in ("fixed_width", "tree_budget"):
@@ -76,30 +107,107 @@ def _parse(argv):
 
 def _table(rows: list[dict], modes: tuple[str, ...]) -> str:
   multi = "dloop" in modes
-  head = ("| drafter | heads off | " + " | ".join(f"τ {m}" for m in modes)
-          + (" | dloop rounds with 2+ stages" if multi else "") + " | seconds |")
-  lines = [head, "|" + "---|" * (3 + len(modes) + multi)]
+  heldout = any("heldout_tau" in r for r in rows)
+  engine = any(f"engine_tau_{m}" in r for r in rows for m in modes)
+  head = "| drafter | heads off | "
+  cols = 2
+  if heldout:
+    head += "heldout τ ± SE | heldout acc_k | "
+    cols += 2
+  if engine:
+    head += (" | ".join(f"τ {m}" for m in modes) + " | "
+             + ("dloop rounds with 2+ stages | " if multi else "") + "seconds |")
+    cols += len(modes) + multi + 1
+  lines = [head.rstrip(" |") + " |", "|" + "---|" * cols]
   for r in rows:
-    cells = [f"{r[f'engine_tau_{m}']:.3f}" for m in modes]
-    if multi:
-      cells.append(f"{r['engine_multi_stage_dloop']:.1%}")
-    lines.append(f"| {r['drafter']} | {r['heads_off'] or '-'} | {' | '.join(cells)}"
-                 f" | {r['seconds']:.0f} |")
+    cells = [r["drafter"], r["heads_off"] or "-"]
+    if heldout:
+      if "heldout_tau" in r:
+        k = sum(1 for key in r if key.startswith("heldout_acc_") and not key.endswith("_se"))
+        cells += [f"{r['heldout_tau']:.3f} ± {r['heldout_tau_se']:.3f}",
+                  " / ".join(f"{r[f'heldout_acc_{j}']:.3f}" for j in range(1, k + 1))]
+      else:
+        cells += ["", ""]
+    if engine:
+      cells += [f"{r[f'engine_tau_{m}']:.3f}" for m in modes]
+      if multi:
+        cells.append(f"{r['engine_multi_stage_dloop']:.1%}")
+      cells.append(f"{r['seconds']:.0f}")
+    lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  args = _parse(sys.argv[1:] if argv is None else argv)
-  # Heavy imports after the arguments are checked.
-  from dloop_jax.drafters import ablation  # pylint: disable=g-import-not-at-top
-  from dloop_jax.drafters.io import load_drafter  # pylint: disable=g-import-not-at-top
-  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
-  from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
-  from dloop_jax.training import engine_eval  # pylint: disable=g-import-not-at-top
+def _config_file(spec: str):
+  """FILE[:RECIPE] -> the ConfigDict its get_config returns."""
+  from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  path, recipe = spec, None
+  if not os.path.exists(path) and ":" in spec:
+    path, recipe = spec.rsplit(":", 1)
+  if not os.path.isfile(path):
+    raise ConfigError(f"--heldout-config: config file {path!r} does not exist; give a training"
+                      " config as FILE[:RECIPE], e.g. configs/smollm2_block.py:cpu10k.")
+  module_spec = importlib.util.spec_from_file_location("_heldout_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(recipe) if recipe is not None else module.get_config()
 
-  try:
-    target = load_target(args.target, weights=args.weights)
-    evaluate = dataclasses.replace(
+
+def heldout_metrics(source: str, *, target, data: str, examples: int, config=None,
+                    batch_size: int = 8) -> dict[str, float]:
+  """The teacher-forced held-out metric of one drafter (`Trainer.heldout_metrics`).
+
+  Args:
+    source: a shipped drafter name, an export directory or a training workdir.
+    target: the `trainer.Target` it drafts for.
+    data: a dataset directory (`python -m train.data`) holding the drafter's taps.
+    examples: how many of the training split's last examples are held out, as
+      `data.heldout_examples` of the run.
+    config: a training config: the objective, objective settings, row length,
+      compute dtype and seed (the block drafters' anchor key) of the drafts
+      measured; None = the base config with the objective the export names.
+    batch_size: held-out rows per forward.
+
+  Returns:
+    {"heldout_acc_k", "heldout_acc_k_se", "heldout_tau", "heldout_tau_se",
+    "heldout_examples"} (`dloop_jax.training.heldout.summarize`).
+  """
+  # pylint: disable=g-import-not-at-top
+  from ml_collections import ConfigDict
+  from dloop_jax.drafters import io as drafter_io
+  from dloop_jax.training import config as config_lib
+  from dloop_jax.training import trainer as trainer_lib
+  # pylint: enable=g-import-not-at-top
+  export = drafter_io.resolve(source)
+  info = drafter_io.read_info(export)
+  c = config_lib.base_config() if config is None else copy.deepcopy(config)
+  if config is None:
+    c.objective = info.get("extra", {}).get("objective", c.objective)
+  with c.unlocked():
+    # The export's own drafter (a restricted draft vocabulary included).
+    c.drafter = ConfigDict(info["drafter_config"])
+  c.init_from = ""
+  c.data.source, c.data.path, c.data.online = "path", data, False
+  c.data.heldout_examples, c.data.batch_size = int(examples), int(batch_size)
+  c.eval.every_steps, c.eval.heldout_every_steps = 0, 0
+  hooks = dataclasses.replace(trainer_lib.default_hooks(), build_target=lambda _: target)
+  trainer = trainer_lib.Trainer(c, hooks=hooks)
+  trainer.init_from(export)
+  trainer_lib.default_check_dataset(data, drafter=trainer.drafter, target=target)
+  batches = trainer_lib.default_heldout_batches(c, data_info=data, batch_size=int(batch_size),
+                                                shard_index=0, shard_count=1)
+  return trainer.heldout_metrics(batches)
+
+
+def evaluate(args: argparse.Namespace, *, target) -> list[dict]:
+  """The rows of `args.drafters` (and their heads off) for `target` (a `trainer.Target`)."""
+  # pylint: disable=g-import-not-at-top
+  from dloop_jax.drafters import ablation
+  from dloop_jax.drafters.io import load_drafter
+  from dloop_jax.training import engine_eval
+  # pylint: enable=g-import-not-at-top
+  evaluator = None
+  if args.engine:
+    evaluator = dataclasses.replace(
         engine_eval.from_config(
             dict(prompts=args.prompts, num_prompts=args.prompts_per_category,
                  max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -107,34 +215,67 @@ def main(argv=None) -> int:
             target=target.model, tokenizer=target.tokenizer),
         block_size=args.block_size, max_stages=args.max_stages, fixed_width=args.fixed_width,
         tree_budget=args.tree_budget)
-    print(f"{len(evaluate.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, every"
+    print(f"{len(evaluator.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, every"
           f" draft verified; modes {', '.join(args.modes)}; {args.weights} weights"
           + (f", width {args.fixed_width}" if args.fixed_width else "")
           + (f", trees of {args.tree_budget} nodes" if args.tree_budget else ""), flush=True)
-    rows = []
-    for name in args.drafters:
-      drafter = load_drafter(name, target=target.model)
-      variants = [("", drafter)]
-      if args.heads_off:
-        variants += [(head, ablation.without_head(drafter, head))
-                     for head in ablation.heads(drafter)]
-      for off, variant in variants:
-        start = time.perf_counter()
-        taus = evaluate(target.model, variant)
-        row = dict(drafter=name, heads_off=off, seconds=time.perf_counter() - start,
-                   **{k: v for k, v in taus.items() if k != "engine_eval_s"})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+  config = _config_file(args.heldout_config) if args.heldout_config else None
+  if args.heldout_data:
+    print(f"held out: the last {args.heldout_examples} examples of {args.heldout_data},"
+          f" teacher-forced ({args.heldout_config or 'the export objective'})", flush=True)
+  rows = []
+  for name in args.drafters:
+    held = {}
+    if args.heldout_data:
+      start = time.perf_counter()
+      held = heldout_metrics(name, target=target, data=args.heldout_data,
+                             examples=args.heldout_examples, config=config,
+                             batch_size=args.heldout_batch_size)
+      held["heldout_s"] = time.perf_counter() - start
+    if evaluator is None:
+      rows.append(dict(drafter=name, heads_off="", **held))
+      print(json.dumps(rows[-1]), flush=True)
+      continue
+    drafter = load_drafter(name, target=target.model)
+    variants = [("", drafter)]
+    if args.heads_off:
+      variants += [(head, ablation.without_head(drafter, head))
+                   for head in ablation.heads(drafter)]
+    for off, variant in variants:
+      start = time.perf_counter()
+      taus = evaluator(target.model, variant)
+      row = dict(drafter=name, heads_off=off, seconds=time.perf_counter() - start,
+                 **{k: v for k, v in taus.items() if k != "engine_eval_s"},
+                 **(held if not off else {}))
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  args.num_prompts = len(evaluator.prompts) if evaluator is not None else 0
+  return rows
+
+
+def main(argv=None) -> int:
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  # Heavy imports after the arguments are checked.
+  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+
+  try:
+    loaded = load_target(args.target, weights=args.weights)
+    target = trainer_lib.Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
+    rows = evaluate(args, target=target)
   except (DLoopError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(_table(rows, args.modes))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(prompts=len(evaluate.prompts), max_new_tokens=args.max_new_tokens,
+      json.dump(dict(prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                      gate=args.gate, block_size=args.block_size, max_stages=args.max_stages,
                      weights=args.weights, fixed_width=args.fixed_width,
-                     tree_budget=args.tree_budget, rows=rows), f, indent=1)
+                     tree_budget=args.tree_budget, heldout_data=args.heldout_data,
+                     heldout_examples=args.heldout_examples if args.heldout_data else 0,
+                     heldout_config=args.heldout_config, rows=rows), f, indent=1)
   return 0
 
 
