@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from dloop_jax.decoding import clear_compiled  # noqa: E402
-from dloop_jax.models.config import tiny_target  # noqa: E402
+from dloop_jax.models.transformer import tiny_target  # noqa: E402
 
 
 # The scheduler's cost table. Tests never calibrate unless they ask to (timing

@@ -26,7 +26,7 @@ from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.drafters import DominoDrafter, DSparkDrafter, Frozen, build_drafter
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.errors import ConfigError
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 from dloop_jax.training import objectives
 from dloop_jax.training import trainer as trainer_lib
 from lossless import assert_same_or_near_tie

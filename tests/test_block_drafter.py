@@ -17,7 +17,7 @@ import reference
 from dloop_jax.decoding import SamplingConfig, engine, generate
 from dloop_jax.drafters import BlockDrafter, Frozen, build_drafter, default_drafter_config
 from dloop_jax.errors import ConfigError, DrafterMismatchError
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 from lossless import assert_same_or_near_tie
 
 BLOCK = 4

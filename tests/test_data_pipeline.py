@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from dloop_jax.data import pipeline
 from dloop_jax.errors import ConfigError
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 
 tfds.disable_progress_bar()
 

@@ -168,7 +168,7 @@ def test_answers_only_needs_a_store(tmp_path):
 
 def test_taps_only_forward_equals_the_full_forward():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from dloop_jax.models.config import tiny_target  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.transformer import tiny_target  # pylint: disable=g-import-not-at-top
   model = tiny_target(seed=1)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 12)),
                        jnp.int32)
@@ -222,7 +222,7 @@ def test_target_topk_from_stored_answers_through_the_pipeline_to_dspark(builds, 
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import build_drafter  # pylint: disable=g-import-not-at-top
-  from dloop_jax.models.config import tiny_target  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.transformer import tiny_target  # pylint: disable=g-import-not-at-top
   from dloop_jax.training import objectives  # pylint: disable=g-import-not-at-top
   _, _, stored, _, store = builds
   k = 6

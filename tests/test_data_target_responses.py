@@ -21,7 +21,8 @@ from dloop_jax.data import sharegpt
 from dloop_jax.data import target_responses as tr
 from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.errors import ConfigError
-from dloop_jax.models.config import default_taps, tiny_target
+from dloop_jax.models.config import default_taps
+from dloop_jax.models.transformer import tiny_target
 
 tfds.disable_progress_bar()
 

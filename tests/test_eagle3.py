@@ -18,7 +18,7 @@ from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.drafters import (Eagle3Drafter, Frozen, build_drafter, default_drafter_config,
                                 draft_vocab_from_counts, token_counts)
 from dloop_jax.errors import ConfigError, DrafterMismatchError
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 from lossless import assert_same_or_near_tie
 
 GAMMA = 3

@@ -28,7 +28,7 @@ from dloop_jax.drafters import hf_format
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.errors import (CheckpointFormatError, ConfigError, DrafterMismatchError,
                               ModelLoadError)
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 
 torch.set_num_threads(1)  # see model_fixtures
 

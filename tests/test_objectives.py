@@ -22,7 +22,7 @@ import draft_training
 from dloop_jax.decoding import generate
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 from dloop_jax.training import objectives
 from dloop_jax.training.metrics import expected_acceptance_length
 

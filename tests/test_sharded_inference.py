@@ -37,8 +37,7 @@ _SCRIPT = textwrap.dedent(r"""
     from dloop_jax.drafters import build_drafter
     from dloop_jax.errors import ConfigError
     from dloop_jax.models import load_target, sharding
-    from dloop_jax.models.config import tiny_target
-    from dloop_jax.models.transformer import Transformer
+    from dloop_jax.models.transformer import Transformer, tiny_target
 
     COSTS = {1: 30.0, 2: 40.4, 3: 46.0, 5: 51.7, 9: 63.6, 13: 66.8, 17: 72.0, 25: 82.0}
     out = {}

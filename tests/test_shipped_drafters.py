@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dloop_jax.drafters import io as drafter_io
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 
 SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-domino",
            "smollm2-135m-instruct-dspark", "smollm2-135m-instruct-eagle3")

@@ -16,7 +16,7 @@ import trainer_hooks
 import trainer_standin
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import trainer as trainer_lib
 

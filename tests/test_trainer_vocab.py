@@ -19,7 +19,7 @@ import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
 import trainer_hooks
 from dloop_jax.data import pipeline
 from dloop_jax.drafters import io as drafter_io
-from dloop_jax.models.config import tiny_target
+from dloop_jax.models.transformer import tiny_target
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import trainer as trainer_lib
 

@@ -543,7 +543,7 @@ class TargetResponses(LocalBuilder):
       if self._target_model is not None:
         self._resolved = (self._target_model, self._tokenizer, c.target)
       elif c.target == "tiny":
-        from dloop_jax.models.config import tiny_target  # pylint: disable=g-import-not-at-top
+        from dloop_jax.models.transformer import tiny_target  # pylint: disable=g-import-not-at-top
         model = tiny_target(seed=c.target_seed, init_std=c.target_init_std)
         self._resolved = (model, self._tokenizer,
                           tiny_target_name(seed=c.target_seed, init_std=c.target_init_std))

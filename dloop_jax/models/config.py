@@ -177,10 +177,3 @@ def default_taps(num_layers: int) -> tuple[int, ...]:
   raw = (1, num_layers // 2 - 1, num_layers - 4)
   taps = sorted({min(max(t, 0), num_layers - 1) for t in raw})
   return tuple(taps)
-
-
-def tiny_target(*, seed: int = 0, init_std: float = 0.3, **overrides):
-  """A tiny random target with peaked next-token distributions (tests, tiny configs)."""
-  from flax import nnx  # local: keeps this module free of model code
-  from dloop_jax.models.transformer import Transformer
-  return Transformer(tiny_config(**overrides), rngs=nnx.Rngs(seed), init_std=init_std)
