@@ -174,3 +174,24 @@ def test_ar_and_sd_programs_have_no_stage_loop(tiny, drafter):
   (rounds,) = _whiles(sd)
   assert len(_whiles(_body(rounds))) == 2  # the one-stage loop and the back-off's steps
   assert _branch_counts(_body(rounds)) == [2, 2, 3]
+
+
+def test_the_persistent_compilation_cache_is_on_unless_opted_out(monkeypatch, tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  from dloop_jax import compilation_cache  # pylint: disable=g-import-not-at-top
+  before = jax.config.jax_compilation_cache_dir  # the suite's own cache
+  try:
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("DLOOP_JAX_CACHE", "off")
+    assert compilation_cache.enable() is None and not jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv("DLOOP_JAX_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert compilation_cache.enable() == str(tmp_path / ".cache/dloop_jax/jax_compilation")
+    # A directory the caller set stays; the command-line programs force theirs.
+    monkeypatch.setenv("DLOOP_JAX_CACHE", str(tmp_path / "mine"))
+    assert compilation_cache.enable() is None
+    assert jax.config.jax_compilation_cache_dir.startswith(str(tmp_path / ".cache"))
+    assert compilation_cache.enable(force=True) == str(tmp_path / "mine")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)

@@ -67,6 +67,7 @@ from dloop_jax.decoding import tree_round
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.config import DecodingConfig
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
+from dloop_jax import compilation_cache
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import cpu_kernels
 from dloop_jax.models import kv_cache as kv_lib
@@ -797,6 +798,7 @@ def generate(
   compile_seconds = 0.0
   compiled = _COMPILED.get(static)
   if compiled is None:
+    compilation_cache.ensure()
     t0 = time.perf_counter()
     with _matmul_precision(target), _kernel_forms(target):
       compiled = jax.jit(_decode, static_argnums=0).lower(static, *args).compile()

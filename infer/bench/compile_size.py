@@ -20,11 +20,17 @@ import sys
 import time
 
 CONFIGS = {
-    # name: (dtype, weights, generate() options)
-    "dloop f32, free widths, cost schedule": (
-        "float32", "f32", dict(mode="dloop", max_stages=3, schedule="cost",
-                               costs={1: 1.0, 65: 2.0})),
-    "dloop f32, free widths, every draft": (
+    # name: (dtype, weights, generate() options); "costs" names a profile's
+    # default table (`decoding.costs.DEFAULT_TABLES`): a CPU's is steep, an
+    # accelerator's flat up to tens of tokens.
+    "dloop f32, cost schedule, a CPU's cost table": (
+        "float32", "f32", dict(mode="dloop", max_stages=3, schedule="cost", costs="cpu")),
+    "dloop f32, cost schedule, an accelerator's table, every width compiled": (
+        "float32", "f32", dict(mode="dloop", max_stages=3, schedule="cost", costs="gpu",
+                               width_tolerance=0.0)),
+    "dloop f32, cost schedule, an accelerator's table": (
+        "float32", "f32", dict(mode="dloop", max_stages=3, schedule="cost", costs="gpu")),
+    "dloop f32, every draft verified": (
         "float32", "f32", dict(mode="dloop", max_stages=3, schedule="off")),
     "dloop bf16, gpu profile (fixed width)": (
         "bfloat16", "bf16", dict(mode="dloop", profile="gpu")),
@@ -58,6 +64,7 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from dloop_jax.decoding import DecodingConfig, engine  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding.costs import DEFAULT_TABLES  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import registry  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import precision  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
@@ -68,8 +75,14 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
   rows = []
   for name, (dtype, weights, options) in CONFIGS.items():
     compute, stored = precision(dtype, weights)
-    def build(options=options, compute=compute, stored=stored):
-      target = Transformer(config, rngs=nnx.Rngs(0), dtype=compute, weight_dtype=stored)
+    if isinstance(options.get("costs"), str):
+      options = dict(options, costs=DEFAULT_TABLES[options["costs"]])
+    # The product forms the profile's targets are loaded with (`models.cpu_kernels`).
+    cpu_forms = options.get("profile", "cpu") == "cpu"
+
+    def build(options=options, compute=compute, stored=stored, cpu_forms=cpu_forms):
+      target = Transformer(config, rngs=nnx.Rngs(0), dtype=compute, weight_dtype=stored,
+                           cpu_kernels=cpu_forms)
       if options["mode"] == "ar":
         return target, None
       spec = dict(registry.default_drafter_config(drafter_kind, config),
@@ -81,8 +94,9 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
         target, prompts, config=DecodingConfig(**options), max_new_tokens=max_new_tokens,
         drafter=drafter)
     t0 = time.perf_counter()
-    lowered = jax.jit(engine._decode, static_argnums=0).lower(  # pylint: disable=protected-access
-        static, *args)
+    with engine._kernel_forms(target):  # pylint: disable=protected-access
+      lowered = jax.jit(engine._decode, static_argnums=0).lower(  # pylint: disable=protected-access
+          static, *args)
     lower_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiled = lowered.compile()
