@@ -13,9 +13,13 @@ size unless --block-size), verifying the prefix of the drafts that pays (the
 scheduler, `sd` / `dloop`) and every draft (`sd/all` / `dloop/all`), see
 --schedules; with --tree-budgets, the same with draft trees of B nodes per
 stage (`sd/treeB`, `dloop/treeB`, and `/all`); HF transformers (PyTorch) greedy `generate()` and
-its prompt-lookup decoding on the same weights and threads (--no-peers leaves
-them out). Greedy by default; every output is compared with our `ar` output
-(identical, or differing only after a near-tie of the target, docs/design.md §The near-tie rule).
+its prompt-lookup decoding on the same weights and threads; llama.cpp on the
+same GGUF and threads, computing with its quantized weights, when the optional
+extra is installed (pip install -e '.[llama-cpp]'; without it one line says so);
+--peers picks among them, --no-peers leaves them out. Greedy by default; every
+output is compared with our `ar` output (identical, or differing only after a
+near-tie of the target, docs/design.md §The near-tie rule): required of ours,
+reported for the peers.
 With --weights f32,bf16 every method of ours also runs on a target whose weight
 matrices are stored in bf16 (`ar@bf16`, `sd/all/w5@bf16`, ...), timed against the
 f32 `ar` and checked against the bf16 `ar` (at the same fixed width, if any).
@@ -116,7 +120,12 @@ def _parse(argv):
   p.add_argument("--repeats", type=int, default=1,
                  help="time each prompt this many times, the methods interleaved, and keep"
                       " each method's median run (steadier ratios on a noisy machine)")
-  p.add_argument("--no-peers", action="store_true", help="leave out the transformers peers")
+  peers = p.add_mutually_exclusive_group()
+  peers.add_argument("--peers", type=_names, default=None,
+                     help="comma-separated peers among hf (transformers greedy), hf_pld"
+                          " (its prompt lookup) and llama_cpp (llama.cpp; the optional extra"
+                          " llama-cpp). Default: all three, llama_cpp when installed")
+  peers.add_argument("--no-peers", action="store_true", help="leave out every peer")
   p.add_argument("--pld-tokens", type=int, default=10,
                  help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
   p.add_argument("--sweep", action="store_true",
@@ -156,6 +165,11 @@ def _machine(threads: int) -> dict:
   try:
     import torch  # pylint: disable=g-import-not-at-top
     info["torch"] = torch.__version__
+  except ImportError:
+    pass
+  try:
+    import llama_cpp  # pylint: disable=g-import-not-at-top
+    info["llama_cpp"] = llama_cpp.__version__
   except ImportError:
     pass
   return info
@@ -293,6 +307,7 @@ def main(argv=None) -> int:
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
   from dloop_jax import recorded_paths  # pylint: disable=g-import-not-at-top
+  from infer.bench import llama_cpp_peer  # pylint: disable=g-import-not-at-top
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
@@ -316,6 +331,9 @@ def main(argv=None) -> int:
     if not args.confidences or any(x not in ("auto", "probability") for x in args.confidences):
       raise DLoopError("--confidences takes auto and / or probability, got"
                        f" {','.join(args.confidences)!r}.")
+    if args.peers is not None and any(x not in methods_lib.PEERS for x in args.peers):
+      raise DLoopError(f"--peers takes {', '.join(methods_lib.PEERS)}, got"
+                       f" {','.join(args.peers)!r}.")
     tree_schedules = _names(args.tree_schedules)
     if any(x not in ("cost", "off") for x in tree_schedules):
       raise DLoopError(f"--tree-schedules takes cost and / or off, got {args.tree_schedules!r}.")
@@ -382,12 +400,8 @@ def main(argv=None) -> int:
                               common=common)
     costs = next((m.costs for m in methods if m.costs is not None and not m.weights), None)
     threads = os.cpu_count() or 1
-    if not args.no_peers:
-      hf_model = methods_lib.load_hf_reference(target.source, threads=threads)
-      pad = tok.pad_token_id
-      for lookup in (0, args.pld_tokens):
-        methods.append(methods_lib.HFPeer(model=hf_model, prompt_lookup=lookup,
-                                          pad_token_id=pad, **common))
+    methods += _peers(args, source=target.source, pad_token_id=tok.pad_token_id,
+                      threads=threads, common=common)
 
     # Warm-up: compile our programs for the first prompt's shapes, warm up torch.
     _log(f"[bench] warm-up of {len(methods)} methods")
@@ -450,10 +464,13 @@ def main(argv=None) -> int:
     print(table)
     overall = {(r["method"], r["drafter"]): r for r in rows if r["category"] == report.OVERALL}
     print(f"\nFirst-call compile of our ar: {first_compile['ar']:.1f}s")
-    for peer in ("hf", "hf_pld"):
+    for peer in methods_lib.PEERS:
       if (peer, "") in overall:
         ratio = overall[("ar", "")]["tokens_per_second"] / overall[(peer, "")]["tokens_per_second"]
-        print(f"Our ar vs transformers {peer}: {ratio:.2f}x tokens/s")
+        engine = "llama.cpp" if peer == llama_cpp_peer.NAME else "transformers"
+        print(f"Our ar vs {engine} {peer}: {ratio:.2f}x tokens/s")
+    if sampling.greedy and (llama_cpp_peer.NAME, "") in overall:
+      print(_agreement(records, llama_cpp_peer.NAME))
     suffixes = [""] + [f"@{w}" for w in args.weights[1:]]
     for label, _ in drafters:
       for suffix in suffixes:
@@ -470,7 +487,7 @@ def main(argv=None) -> int:
           tps = dl["tokens_per_second"]
           vs_sd = f", {tps / sd['tokens_per_second']:.2f}x sd{suffix}" if sd else ""
           vs_peers = "".join(f", {tps / overall[(p, '')]['tokens_per_second']:.2f}x {p}"
-                             for p in ("hf", "hf_pld") if (p, "") in overall)
+                             for p in methods_lib.PEERS if (p, "") in overall)
           print(f"{label}: dloop{suffix} {dl['speedup_vs_ar']:.2f}x ar{vs_sd}{vs_peers};"
                 f" tau {dl['acceptance_length']:.2f} (dloop)"
                 + (f" vs {sd['acceptance_length']:.2f} (sd)" if sd else ""))
@@ -499,9 +516,49 @@ def main(argv=None) -> int:
 def _not_lossless(records) -> list[str]:
   """Records of exact methods (all but `~inexact` ones and the peers) whose greedy output
   is not ar's (identical, or first differing at a near-tie)."""
+  from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
   return [f"{r['method']}[{r['drafter']}] on {r['prompt_id']}" for r in records
-          if "~inexact" not in r["method"] and not r["method"].startswith("hf")
+          if "~inexact" not in r["method"] and r["method"] not in methods_lib.PEERS
           and r.get("lossless_vs_ar") is False]
+
+
+def _peers(args, *, source, pad_token_id, threads: int, common) -> list:
+  """The peers --peers / --no-peers ask for; llama.cpp left out, in one line, where it cannot
+  run and was not named."""
+  from infer.bench import llama_cpp_peer  # pylint: disable=g-import-not-at-top
+  from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
+  if args.no_peers:
+    return []
+  names = args.peers
+  if names is None:
+    names = list(methods_lib.PEERS)
+    why = llama_cpp_peer.missing(source)
+    if why:
+      _log(f"[bench] {why}")
+      names.remove(llama_cpp_peer.NAME)
+  peers = []
+  if "hf" in names or "hf_pld" in names:
+    hf_model = methods_lib.load_hf_reference(source, threads=threads)
+    for lookup, name in ((0, "hf"), (args.pld_tokens, "hf_pld")):
+      if name in names:
+        peers.append(methods_lib.HFPeer(model=hf_model, prompt_lookup=lookup,
+                                        pad_token_id=pad_token_id, **common))
+  if llama_cpp_peer.NAME in names:
+    model = llama_cpp_peer.load(source, threads=threads,
+                                context=args.max_prompt_tokens + args.max_new_tokens)
+    peers.append(llama_cpp_peer.LlamaCppPeer(model=model, **common))
+  return peers
+
+
+def _agreement(records, method: str) -> str:
+  """How a peer's greedy outputs agree with our ar's: identical ones, and where the others
+  first leave them."""
+  recs = [r for r in records if r["method"] == method and r.get("identical_to_ar") is not None]
+  same = sum(bool(r["identical_to_ar"]) for r in recs)
+  firsts = sorted(r["first_difference"] for r in recs if not r["identical_to_ar"])
+  where = f"; the others first differ at new token {firsts}" if firsts else ""
+  return (f"{method}: {same}/{len(recs)} outputs identical to our ar's{where} (its own"
+          " kernels on the file's quantized weights, ours on them dequantized)")
 
 
 def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> list[dict]:

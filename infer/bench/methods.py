@@ -12,8 +12,11 @@
     peers  hf                       transformers (PyTorch) greedy generate()
            hf_pld                   transformers prompt-lookup decoding
                                     (generate(prompt_lookup_num_tokens=...))
+           llama_cpp                llama.cpp on the GGUF's quantized weights, an optional
+                                    extra (`llama_cpp_peer`)
 
-The peers run the same weights: transformers dequantizes the same GGUF file.
+The transformers peers run the same weights: transformers dequantizes the same
+GGUF file; llama.cpp computes with its quantized blocks.
 Our `seconds` exclude compilation (reported apart); the peers are warmed up
 once before timing.
 """
@@ -28,6 +31,10 @@ from typing import Any
 
 from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
 from dloop_jax.errors import ConfigError
+
+# The other engines' methods: their outputs are compared with our ar's and reported, not held
+# to them (transformers' kernels round otherwise; llama.cpp computes with quantized weights).
+PEERS = ("hf", "hf_pld", "llama_cpp")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -89,7 +89,7 @@ def summarize(records: Iterable[dict]) -> list[dict]:
       ar_tps[category] = sum(r["new_tokens"] for r in recs) / s if s > 0 else None
       ar_per_step[category] = modeled_tokens_per_step(recs)
   order = {m: i for i, m in enumerate(("ar", "sd", "sd/all", "dloop", "dloop/all", "hf",
-                                        "hf_pld"))}
+                                        "hf_pld", "llama_cpp"))}
 
   def rank(method: str) -> tuple:
     # Trees after their chain, then the scheduler's confidence, the weights, the width:
