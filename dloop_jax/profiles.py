@@ -7,8 +7,9 @@ runs at. Those choices live here, as named profiles resolved from
 being baked into shared code:
 
     profile  compute   weights                  a 16-bit target's forwards
-    cpu      float32   bf16 where the CPU has   5 tokens wide (dloop: 2 stages of 2)
-                       AMX, else f32
+    cpu      float32   bf16 where it makes this 5 tokens wide (dloop: 2 stages of 2)
+                       CPU's one-token step
+                       cheaper, else f32
     gpu      bfloat16  bf16                     16 tokens wide (dloop: up to 3 stages)
     tpu      bfloat16  bf16                     16 tokens wide
 
@@ -22,8 +23,10 @@ few tokens costs about what a one-token step costs. On accelerators that holds
 for widths of tens of tokens. On CPUs it holds for bf16 weights only where the
 CPU multiplies bf16 natively at matrix speed (AMX); elsewhere a bf16 one-token
 step is slower than an f32 one, and f32 weights at free widths with the cost
-scheduler are faster. `python -m infer.costs --weights bf16` / `--weights f32`
-measures both on a machine; `--weights` / `--profile` override the choice.
+scheduler are faster. So the `cpu` profile takes the storage whose one-token
+step this machine measured cheaper (`python -m infer.costs --weights both`
+records it, `record_cpu_weights`); until measured, the AMX flag decides.
+`--weights` / `--profile` override the choice.
 
 Every profile runs on every backend, so the accelerator code paths are tested
 on CPU (`generate(profile="gpu")`, `python -m infer --profile gpu`).
@@ -33,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import platform
 
 from dloop_jax.errors import ConfigError
 
@@ -93,12 +98,72 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _cpu_profile() -> Profile:
-  if cpu_has_amx():
-    return Profile(name="cpu", dtype="float32", weights="bf16", fixed_width=CPU_FIXED_WIDTH,
-                   cpu_kernels=True, why="CPU with AMX-BF16: bf16 weight matrices, every forward 5 tokens wide")
-  return Profile(name="cpu", dtype="float32", weights="f32", fixed_width=CPU_FIXED_WIDTH,
-                 cpu_kernels=True, why="CPU without AMX: f32 weights (bf16 one-token steps are slower there),"
-                     " free widths chosen by the cost scheduler")
+  measured = measured_cpu_weights()
+  if measured is not None:
+    weights = measured["weights"]
+    steps = measured["step_cost"]
+    why = (f"measured on this CPU (python -m infer.costs --weights both): a one-token step"
+           f" costs {steps['bf16']:.3g} with bf16 weights, {steps['f32']:.3g} with f32: ")
+  else:
+    weights = "bf16" if cpu_has_amx() else "f32"
+    why = ("not measured on this CPU (python -m infer.costs --weights both measures it):"
+           f" {'AMX-BF16 present' if weights == 'bf16' else 'no AMX'}: ")
+  if weights == "bf16":
+    why += f"bf16 weight matrices, every forward {CPU_FIXED_WIDTH} tokens wide"
+  else:
+    why += "f32 weights, free widths chosen by the cost scheduler"
+  return Profile(name="cpu", dtype="float32", weights=weights, fixed_width=CPU_FIXED_WIDTH,
+                 cpu_kernels=True, why=why)
+
+
+def cache_dir() -> str:
+  """Where measurements of this machine are kept: $DLOOP_CACHE_DIR, else ~/.cache/dloop_jax."""
+  return os.environ.get("DLOOP_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "dloop_jax")
+
+
+CPU_WEIGHTS_FILE = "cpu_weights.json"
+
+
+def _this_cpu() -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  return dict(processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+              amx_bf16=cpu_has_amx(), jax=jax.__version__)
+
+
+def record_cpu_weights(step_cost: dict[str, float], *, directory: str | None = None) -> str:
+  """Records which weight storage makes this CPU's one-token step cheaper; returns the file.
+
+  Args:
+    step_cost: {"f32": cost, "bf16": cost} of a one-token target step (any
+      unit, the same for both: `decoding.costs` tables at width 1).
+  """
+  if set(step_cost) != {"f32", "bf16"} or not all(c > 0 for c in step_cost.values()):
+    raise ConfigError(f"step_cost needs positive 'f32' and 'bf16' costs, got {step_cost}.")
+  weights = "bf16" if step_cost["bf16"] < step_cost["f32"] else "f32"
+  path = os.path.join(directory or cache_dir(), CPU_WEIGHTS_FILE)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(dict(machine=_this_cpu(), weights=weights,
+                   step_cost={k: float(v) for k, v in step_cost.items()}), f, indent=1)
+  os.replace(tmp, path)  # never a half-written file
+  return path
+
+
+def measured_cpu_weights(*, directory: str | None = None) -> dict | None:
+  """The choice `record_cpu_weights` made on this machine (None: none, damaged, or made on
+  another CPU or JAX version)."""
+  path = os.path.join(directory or cache_dir(), CPU_WEIGHTS_FILE)
+  try:
+    with open(path) as f:
+      record = json.load(f)
+    if record["machine"] != _this_cpu() or record["weights"] not in ("f32", "bf16"):
+      return None
+    float(record["step_cost"]["f32"]), float(record["step_cost"]["bf16"])
+    return record
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def _accelerator_profile(name: str) -> Profile:

@@ -4,6 +4,8 @@
     python -m infer.costs --recalibrate                 # measure again, update the cache
     python -m infer.costs --batch-size 4 --save t.json  # another batch size, also to a file
     python -m infer.costs --widths 1,2,3,5,9,13,17,21   # measure these widths
+    python -m infer.costs --weights both                # f32 and bf16 tables, and which
+                                                        # storage the cpu profile takes here
 
 The table is cached under $DLOOP_CACHE_DIR/costs/ (default ~/.cache/dloop_jax/costs/),
 keyed by target, weight dtypes, jax version, device and batch size; generate(),
@@ -23,8 +25,10 @@ def _parse(argv):
                  help="registry name, .gguf path or Hugging Face model directory")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--widths", default="", help="comma-separated widths to measure as well")
-  p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
-                 help="storage of the target's weight matrices (each has its own table)")
+  p.add_argument("--weights", choices=("f32", "bf16", "both"), default="f32",
+                 help="storage of the target's weight matrices (each has its own table);"
+                      " 'both' measures the two and records, for the cpu profile, the one"
+                      " whose one-token step is cheaper on this machine")
   p.add_argument("--cache-length", type=int, default=None,
                  help="measure (and print, not cache) at this many filled cache slots")
   p.add_argument("--recalibrate", action="store_true", help="measure even if cached")
@@ -34,6 +38,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
   args = _parse(argv)
+  from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
@@ -46,20 +51,33 @@ def main(argv=None) -> int:
       raise DLoopError(f"--widths must be integers >= 1, got {args.widths!r}.")
     if args.batch_size < 1:
       raise DLoopError(f"--batch-size must be >= 1, got {args.batch_size}.")
-    target = load_target(args.target, weights=args.weights)
-    if args.cache_length is not None:
-      table = costs_lib.calibrate(target.model, batch_size=args.batch_size,
-                                  widths=sorted(set(widths) | set(costs_lib.DEFAULT_WIDTHS)),
-                                  cache_length=args.cache_length)
-    else:
-      table = costs_lib.for_target(target.model, batch_size=args.batch_size, widths=widths,
-                                   recalibrate=args.recalibrate)
-    key = table.key or {}
-    print(f"{target.name}: batch {args.batch_size}, weights {','.join(key.get('weights', []))},"
-          f" {key.get('device_kind', '?')}, jax {key.get('jax', '?')}")
-    print(table.format())
-    if args.save:
-      print(f"saved to {table.save(args.save)}", file=sys.stderr)
+    if args.weights == "both" and (args.cache_length is not None or args.save):
+      raise DLoopError("--weights both measures the cached tables; use --weights f32 or bf16"
+                       " with --cache-length / --save.")
+    step_cost = {}
+    for weights in (("f32", "bf16") if args.weights == "both" else (args.weights,)):
+      # CPU forms on a CPU: the tables the cpu profile's targets will read.
+      target = load_target(args.target, weights=weights)
+      if args.cache_length is not None:
+        table = costs_lib.calibrate(target.model, batch_size=args.batch_size,
+                                    widths=sorted(set(widths) | set(costs_lib.DEFAULT_WIDTHS)),
+                                    cache_length=args.cache_length)
+      else:
+        table = costs_lib.for_target(target.model, batch_size=args.batch_size, widths=widths,
+                                     recalibrate=args.recalibrate)
+      key = table.key or {}
+      print(f"{target.name}: batch {args.batch_size}, weights"
+            f" {','.join(key.get('weights', []))}, {key.get('device_kind', '?')},"
+            f" jax {key.get('jax', '?')}")
+      print(table.format())
+      step_cost[weights] = table.costs[1]
+      if args.save:
+        print(f"saved to {table.save(args.save)}", file=sys.stderr)
+    if args.weights == "both":
+      path = profiles.record_cpu_weights(step_cost)
+      print(f"one-token step: f32 {step_cost['f32']:.3g}, bf16 {step_cost['bf16']:.3g}:"
+            f" the cpu profile takes {profiles.resolve('cpu').weights} weights on this machine"
+            f" (recorded in {path})")
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 import jax.numpy as jnp
@@ -88,6 +89,32 @@ def test_profiles_resolve_by_name_backend_and_environment(monkeypatch):
   assert profiles.resolve().name == "gpu"
   with pytest.raises(ConfigError, match="profile must be one of"):
     profiles.resolve("npu")
+
+
+def test_the_cpu_profile_takes_the_storage_this_machine_measured_faster(monkeypatch, tmp_path):
+  monkeypatch.setenv("DLOOP_CACHE_DIR", str(tmp_path))
+  assert profiles.measured_cpu_weights() is None  # not measured: the AMX flag decides
+  assert "not measured" in profiles.resolve("cpu").why
+  # An AMD EPYC without AMX measured 32.5 against 25.0 ms, Intel AMX machines 0.69x.
+  for step_cost, want in [({"f32": 25.0, "bf16": 32.5}, "f32"),
+                          ({"f32": 25.0, "bf16": 17.3}, "bf16")]:
+    path = profiles.record_cpu_weights(step_cost)
+    cpu = profiles.resolve("cpu")
+    assert cpu.weights == want and "measured on this CPU" in cpu.why
+    assert profiles.precision("cpu") == ("float32", want)
+  # A record of another machine (or a damaged one) is not this machine's measurement.
+  with open(path) as f:
+    record = json.load(f)
+  record["machine"]["processor"] = "another CPU"
+  with open(path, "w") as f:
+    json.dump(record, f)
+  assert profiles.measured_cpu_weights() is None
+  with open(path, "w") as f:
+    f.write("{")
+  assert profiles.measured_cpu_weights() is None
+  assert profiles.resolve("cpu").weights == ("bf16" if profiles.cpu_has_amx() else "f32")
+  with pytest.raises(ConfigError, match="positive"):
+    profiles.record_cpu_weights({"f32": 1.0})
 
 
 @pytest.mark.parametrize("profile,given,want", [

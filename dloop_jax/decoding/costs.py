@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dloop_jax import profiles
 from dloop_jax.errors import ConfigError
 
 DEFAULT_WIDTHS = (1, 2, 3, 5, 9, 13, 17)
@@ -161,10 +162,7 @@ def load(path: str | os.PathLike) -> CostTable:
     raise ConfigError(f"Cost table {path}: {e}") from None
 
 
-def cache_dir() -> str:
-  """$DLOOP_CACHE_DIR, else ~/.cache/dloop_jax."""
-  return os.environ.get("DLOOP_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "dloop_jax")
+cache_dir = profiles.cache_dir
 
 
 def _weight_dtypes(target) -> list[str]:
@@ -335,7 +333,6 @@ def _stored(path: str) -> CostTable | None:
 
 def default_table(profile) -> CostTable:
   """The profile's default table (`DEFAULT_TABLES`), for targets not yet measured here."""
-  from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
   name = profiles.resolve(profile).name
   return CostTable(costs=DEFAULT_TABLES[name], key={"default": name})
 
