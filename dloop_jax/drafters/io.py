@@ -36,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from dloop_jax import mesh as mesh_lib
 from dloop_jax.drafters import base as base_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
 
@@ -316,12 +317,11 @@ def build_for_loading(config: Mapping[str, Any], *, target: Any,
                       rngs: nnx.Rngs | None = None) -> nnx.Module:
   """The drafter `config` describes, built for `target` (its weights about to be overwritten)."""
   from dloop_jax.drafters import build_drafter  # local: registry imports every drafter
-  from dloop_jax.training import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
 
   # Drafters may annotate weights with logical axes; flax then needs a mesh in
   # scope to create them. One device here: callers shard the loaded drafter.
-  mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  with sharding_lib.mesh_context(mesh, sharding_lib.DEFAULT_RULES):
+  mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  with mesh_lib.mesh_context(mesh, mesh_lib.DEFAULT_RULES):
     return build_drafter(dict(config), target=target,
                          rngs=rngs if rngs is not None else nnx.Rngs(0))
 

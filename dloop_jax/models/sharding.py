@@ -1,6 +1,6 @@
 """Where a target's weights, KV cache and batch rows live on a device mesh (inference).
 
-The mesh is the trainer's (`training.sharding.make_mesh`, axes data / fsdp /
+The mesh is the trainer's (`dloop_jax.mesh.make_mesh`, axes data / fsdp /
 tensor); inference uses two of its axes:
 
     data    batch rows split (each data shard decodes its own rows).
@@ -42,9 +42,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dloop_jax import mesh as mesh_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import TransformerConfig
-from dloop_jax.training import sharding as training_sharding
 
 # Mesh axes inference uses (the trainer's fsdp axis must have size 1).
 INFERENCE_AXES = ("data", "tensor")
@@ -99,7 +99,7 @@ def inference_mesh(axes: Mapping[str, int] | str, *,
         f" ({devices[0].platform}). Make data x tensor = {len(devices)} (or set one axis to -1);"
         " on a CPU, simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N"
         " set before JAX starts.")
-  return training_sharding.make_mesh(sizes, devices=devices)
+  return mesh_lib.make_mesh(sizes, devices=devices)
 
 
 def _text(sizes: Mapping[str, int]) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from dloop_jax import mesh as mesh_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import distributed as distributed_lib
 from dloop_jax.training import sharding as sharding_lib
@@ -123,7 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   c.sharding = ml_collections.ConfigDict(dict(
-      rules=[list(r) for r in sharding_lib.DEFAULT_RULES],
+      rules=[list(r) for r in mesh_lib.DEFAULT_RULES],
       min_shard_size=sharding_lib.DEFAULT_MIN_SHARD_SIZE,
   ))
   c.checkpoint = ml_collections.ConfigDict(dict(

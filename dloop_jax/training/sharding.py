@@ -1,12 +1,7 @@
-"""Device mesh, logical axis rules and `NamedSharding`s for training state.
+"""Logical axis rules and `NamedSharding`s for training state.
 
-The mesh has three axes (MaxText naming):
-
-    data    pure data parallelism: parameters replicated, batch split.
-    fsdp    data parallelism with parameters (and optimizer state) split.
-    tensor  tensor parallelism: the feature axes of matmuls split.
-
-A parameter's `PartitionSpec` comes from, in order:
+The mesh is `dloop_jax.mesh`'s (axes data, fsdp, tensor). A parameter's
+`PartitionSpec` comes from, in order:
 
   1. its `out_sharding` metadata (`nnx.with_partitioning` / `nnx.Param(...,
      out_sharding=...)`): logical axis names mapped to mesh axes by the rules
@@ -21,93 +16,30 @@ Batches are split over `("data", "fsdp")` on their leading axis.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 from flax import nnx
-from flax.core import spmd as flax_spmd
-from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dloop_jax import mesh as mesh_lib
 from dloop_jax.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-
-# Logical axis -> mesh axes. Names the drafters and targets annotate with.
-DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("activation_batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("kv", "tensor"),
-    ("qkv", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("taps", None),
-    ("seq", None),
-    ("length", None),
-    ("norm", None),
-)
 
 # Arrays below this many elements stay replicated under the heuristic:
 # splitting a norm scale saves nothing and costs a gather per use.
 DEFAULT_MIN_SHARD_SIZE = 1024
 
 
-def make_mesh(mesh_config: Mapping[str, int], *,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh.
-
-  Args:
-    mesh_config: axis name -> size; one axis may be -1 (all remaining devices).
-      Axes left out have size 1.
-    devices: devices to use (default: all of them, in `jax.devices()` order).
-
-  Returns:
-    A `Mesh` with Auto axes (GSPMD propagates shardings inside `jax.jit`).
-  """
-  unknown = sorted(set(mesh_config) - set(MESH_AXES))
-  if unknown:
-    raise ConfigError(f"Unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}.")
-  devices = list(devices) if devices is not None else jax.devices()
-  sizes = [int(mesh_config.get(a, 1)) for a in MESH_AXES]
-  if sizes.count(-1) > 1:
-    raise ConfigError(f"At most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.")
-  if any(s == 0 or s < -1 for s in sizes):
-    raise ConfigError(f"Mesh axis sizes must be positive (or one -1), got"
-                      f" {dict(zip(MESH_AXES, sizes))}.")
-  known = math.prod(s for s in sizes if s != -1)
-  if -1 in sizes:
-    if len(devices) % known:
-      raise ConfigError(f"{len(devices)} devices cannot fill mesh {dict(zip(MESH_AXES, sizes))}.")
-    sizes[sizes.index(-1)] = len(devices) // known
-  if math.prod(sizes) != len(devices):
-    raise ConfigError(
-        f"Mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, there are"
-        f" {len(devices)}. Set one axis to -1 to use all devices.")
-  if jax.process_count() > 1 and devices == jax.devices():
-    # Hybrid layout: keeps data-parallel groups within hosts when possible.
-    mesh_devices = mesh_utils.create_device_mesh(sizes, devices=devices)
-  else:
-    mesh_devices = np.asarray(devices, dtype=object).reshape(sizes)
-  return Mesh(mesh_devices, MESH_AXES,
-              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
-
-
 def normalize_rules(rules: Sequence[Sequence[Any]] | None) -> tuple[tuple[str, Any], ...]:
   """Config rules (lists from JSON / the command line) -> tuple of (name, axes) pairs."""
   if rules is None:
-    return DEFAULT_RULES
+    return mesh_lib.DEFAULT_RULES
   out = []
   for rule in rules:
     if len(rule) != 2:
@@ -116,19 +48,11 @@ def normalize_rules(rules: Sequence[Sequence[Any]] | None) -> tuple[tuple[str, A
     if isinstance(axes, list):
       axes = tuple(axes)
     for a in (axes if isinstance(axes, tuple) else (axes,)):
-      if a is not None and a not in MESH_AXES:
+      if a is not None and a not in mesh_lib.MESH_AXES:
         raise ConfigError(f"Sharding rule {rule!r} names mesh axis {a!r}; mesh axes are"
-                          f" {list(MESH_AXES)}.")
+                          f" {list(mesh_lib.MESH_AXES)}.")
     out.append((str(name), axes))
   return tuple(out)
-
-
-@contextlib.contextmanager
-def mesh_context(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Iterator[None]:
-  """Mesh + logical rules in scope: NNX variables annotated with `out_sharding`
-  are created sharded (flax 0.12 shards them eagerly and needs both)."""
-  with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(tuple(rules)):
-    yield
 
 
 def logical_to_spec(names: Sequence[str | None], *, rules: Sequence[tuple[str, Any]],
@@ -146,7 +70,7 @@ def logical_to_spec(names: Sequence[str | None], *, rules: Sequence[tuple[str, A
     if name is None:
       out.append(None)
       continue
-    axes = table.get(name, name if name in MESH_AXES else None)
+    axes = table.get(name, name if name in mesh_lib.MESH_AXES else None)
     axes = axes if isinstance(axes, tuple) else ((axes,) if axes is not None else ())
     keep = []
     size = 1

@@ -44,6 +44,7 @@ from jax.experimental import multihost_utils
 # `dloop_jax.drafters.base` imports `dloop_jax.decoding`, whose engine imports
 # the drafter base back: importing `decoding` first keeps that cycle resolvable.
 import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
+from dloop_jax import mesh as mesh_lib
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError
@@ -335,7 +336,7 @@ class Trainer:
       check_same_config(config)
     self.config = config
     self.hooks = hooks or load_hooks(config.hooks)
-    self.mesh = sharding_lib.make_mesh(config.mesh, devices=devices)
+    self.mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
     self.rules = sharding_lib.normalize_rules(config.sharding.rules)
     self.min_shard_size = int(config.sharding.min_shard_size)
     global_batch = int(config.data.batch_size)
@@ -349,7 +350,7 @@ class Trainer:
     self.target = self.hooks.build_target(config.target)
     # Created inside the mesh and the logical rules: flax 0.12 shards
     # variables annotated with `out_sharding` eagerly, and needs both in scope.
-    with sharding_lib.mesh_context(self.mesh, self.rules):
+    with mesh_lib.mesh_context(self.mesh, self.rules):
       drafter = self.hooks.build_drafter(config_lib.to_plain(config.drafter),
                                          target=self.target.model,
                                          rngs=nnx.Rngs(int(config.seed)))
@@ -423,7 +424,7 @@ class Trainer:
     size = int(drafter_io.drafter_config_of(self.drafter)["draft_vocab_size"])
     d2t, _ = vocab_lib.draft_vocab_from_counts(counts, size)
     drafter = self.drafter_with()
-    with sharding_lib.mesh_context(self.mesh, self.rules):
+    with mesh_lib.mesh_context(self.mesh, self.rules):
       drafter.set_draft_vocab(d2t, target=self.target.model)
     graphdef, params, frozen, _, model_state = drafter_io.split_drafter(drafter)
 
@@ -611,7 +612,7 @@ class Trainer:
       signature = ("heldout",) + tuple(sorted((k, v.ndim) for k, v in placed.items()))
       if signature not in self._steps:
         self._steps[signature] = self._heldout_fn(placed, counts_fn)
-      with sharding_lib.mesh_context(self.mesh, self.rules):
+      with mesh_lib.mesh_context(self.mesh, self.rules):
         c, n = self._steps[signature](
             self.params, self.frozen_for_step, self.model_state, self.rng_state,
             None if self.online is None else self.online.state, placed,
@@ -649,7 +650,7 @@ class Trainer:
     """(loss, metrics, gradients {flat name: array}) of the current step on `batch`; no update."""
     placed = self._placed(batch)
     fn = self._compiled_step(placed, grads_only=True)
-    with sharding_lib.mesh_context(self.mesh, self.rules):
+    with mesh_lib.mesh_context(self.mesh, self.rules):
       return fn(self.params, self.frozen_for_step, self.model_state, self.rng_state,
                 None if self.online is None else self.online.state, placed,
                 jnp.asarray(self.step, jnp.int32))
@@ -658,7 +659,7 @@ class Trainer:
     """One update on a process-local numpy batch; returns device metrics."""
     placed = self._placed(batch)
     fn = self._compiled_step(placed)
-    with sharding_lib.mesh_context(self.mesh, self.rules):
+    with mesh_lib.mesh_context(self.mesh, self.rules):
       self.params, self.opt_state, metrics = fn(
           self.params, self.opt_state, self.frozen_for_step, self.model_state, self.rng_state,
           None if self.online is None else self.online.state, placed,
