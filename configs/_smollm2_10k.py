@@ -12,7 +12,7 @@ evaluated every 100.
 
 from ml_collections import ConfigDict
 
-from dloop_jax.training.config import base_config, loop_aware_fine_tune
+from dloop_jax.training.config import base_config, loop_aware_fine_tune, objective_settings
 
 
 def apply(c: ConfigDict, *, learning_rate: float, loop: bool,
@@ -46,7 +46,9 @@ def head_drafter(recipe: str, *, kind: str, **heads) -> ConfigDict:
   c.drafter = ConfigDict(dict(kind=kind, block_size=4, num_layers=2, draft_vocab_size=0,
                               mask_token_id=16, **heads))
   c.objective = kind
-  c.objective_cfg = ConfigDict(dict(anchors_per_sequence=64))
+  # DSpark reads the target's distribution with its own terms: of the
+  # distillation keys only feature_noise applies to it.
+  c.objective_cfg = objective_settings(anchors_per_sequence=64, distillation=kind != "dspark")
   c.data.source = "path"
   c.data.path = ""
   c.optim.grad_clip_norm = 1.0

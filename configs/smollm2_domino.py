@@ -18,6 +18,8 @@ from ml_collections import ConfigDict
 
 from configs import _smollm2_10k
 
+RECIPES = ("cpu10k", "cpu10k_loop")
+
 
 def get_config(recipe: str = "cpu10k") -> ConfigDict:
   return _smollm2_10k.head_drafter(recipe, kind="domino", gru_hidden_size=256, correction_rank=64)

@@ -21,6 +21,8 @@ from ml_collections import ConfigDict
 
 from configs import _smollm2_10k
 
+RECIPES = ("cpu10k", "cpu10k_loop")
+
 
 def get_config(recipe: str = "cpu10k") -> ConfigDict:
   return _smollm2_10k.head_drafter(recipe, kind="dspark", markov_rank=64, enable_confidence_head=True)

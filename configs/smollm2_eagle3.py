@@ -15,10 +15,12 @@ On accelerators (and CPUs with bfloat16 matrix units) add
 `--config.mesh.data=-1 --config.mesh.fsdp=4`.
 """
 
-from dloop_jax.training.config import base_config, loop_aware_fine_tune
+from dloop_jax.training.config import base_config, loop_aware_fine_tune, objective_settings
 from ml_collections import ConfigDict
 
 from configs import _smollm2_10k
+
+RECIPES = ("", "loop", "cpu", "cpu_loop", "cpu10k", "cpu10k_loop")
 
 
 def get_config(recipe: str = "") -> ConfigDict:
@@ -28,7 +30,9 @@ def get_config(recipe: str = "") -> ConfigDict:
   # Taps default to EAGLE-3's low / middle / high layers of the 30-layer target.
   c.drafter = ConfigDict(dict(kind="eagle3", block_size=4))
   c.objective = "eagle3_ttt"
-  c.objective_cfg = ConfigDict(dict(ttt_steps=7, step_decay=0.8))
+  # The distillation keys at their defaults (hard cross-entropy); EAGLE-3 alone
+  # has the feature regression term (online).
+  c.objective_cfg = objective_settings(ttt_steps=7, step_decay=0.8)
   c.data.source = "path"
   c.data.path = ""  # a dataset built with `python -m train.data`
   c.data.batch_size = 16

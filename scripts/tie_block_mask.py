@@ -6,8 +6,10 @@
 Keeps every backbone weight; drops the learned mask vector (the mask input
 becomes the target's embedding of `--mask-token-id`) and the reduced draft
 vocabulary (the head becomes the target's over the full vocabulary). The result
-drafts worse until fine-tuned (`configs/smollm2_block.py:cpu_dflash` with
-`--config.init_from=` the output); it is then expressible in the DFlash layout
+drafts worse until fine-tuned (e.g. `configs/smollm2_block.py:cpu10k_loop`, whose
+drafter has this form, with `--config.init_from=` the output; how the first shipped
+block drafter went through it: docs/archive/drafters_smollm2_history.md); it is then
+expressible in the DFlash layout
 (`python -m train.export --format hf`).
 """
 

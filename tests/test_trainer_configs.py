@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -12,6 +13,14 @@ from dloop_jax.training import config as config_lib
 CONFIGS = sorted(f for f in os.listdir(os.path.join(trainer_hooks.ROOT, "configs"))
                  # data_*.py configure `python -m train.data`, not the trainer.
                  if f.endswith(".py") and not f.startswith(("_", "data_")))
+
+
+def _config_module(name: str):
+  spec = importlib.util.spec_from_file_location(f"_recipes_{name[:-3]}",
+                                                os.path.join(trainer_hooks.ROOT, "configs", name))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -53,14 +62,53 @@ def test_head_drafters_share_the_block_recipe(kind, monkeypatch):
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)
   block = trainer_hooks.load_config_file("smollm2_block.py", "cpu10k")
   heads = trainer_hooks.load_config_file(f"smollm2_{kind}.py", "cpu10k")
-  for section in ("data", "optim", "eval", "checkpoint", "target", "objective_cfg"):
+  for section in ("data", "optim", "eval", "checkpoint", "target"):
     assert heads[section].to_dict() == block[section].to_dict(), section
+  # DSpark has its own distillation terms instead of the block objective's.
+  for key, value in heads.objective_cfg.items():
+    assert block.objective_cfg[key] == value, key
   assert heads.num_steps == block.num_steps
   for key, value in block.drafter.items():
     if key != "kind":
       assert heads.drafter[key] == value, key
   with pytest.raises(ValueError, match="Unknown recipe"):
     trainer_hooks.load_config_file(f"smollm2_{kind}.py", "cpu")
+
+
+@pytest.mark.parametrize("name", ["smollm2_block.py", "smollm2_eagle3.py", "smollm2_dspark.py",
+                                  "smollm2_domino.py"])
+def test_smollm2_recipes_validate_and_state_the_distillation_keys(name, monkeypatch):
+  """Every recipe of a SmolLM2 config loads, and reads completely: the distillation keys
+  (kl_weight, feature_noise, ...) are listed at their defaults (hard cross-entropy)."""
+  monkeypatch.syspath_prepend(trainer_hooks.ROOT)
+  module = _config_module(name)
+  for recipe in module.RECIPES:
+    c = module.get_config(recipe)
+    config_lib.validate(c)
+    keys = (("feature_noise",) if c.drafter.kind == "dspark"
+            else tuple(config_lib.DISTILLATION_DEFAULTS))
+    for key in keys:
+      assert c.objective_cfg[key] == config_lib.DISTILLATION_DEFAULTS[key], (recipe, key)
+    assert c.optim.weight_decay == 0.0
+  with pytest.raises(ValueError, match="Unknown recipe"):
+    module.get_config("cpu_dflash")
+
+
+def test_block_ab_recipe_is_the_shipped_one_at_a_smaller_size(monkeypatch):
+  """The A/B arms differ from the shipped recipe only in the size of the run and the
+  held-out examples they are measured on (docs/drafters_smollm2.md)."""
+  monkeypatch.syspath_prepend(trainer_hooks.ROOT)
+  shipped = config_lib.to_plain(trainer_hooks.load_config_file("smollm2_block.py", "cpu10k"))
+  ab = config_lib.to_plain(trainer_hooks.load_config_file("smollm2_block.py", "ab"))
+  differ = {f"{section}.{key}" for section in shipped if isinstance(shipped[section], dict)
+            for key in shipped[section] if shipped[section][key] != ab[section][key]}
+  differ |= {k for k in shipped if not isinstance(shipped[k], dict) and shipped[k] != ab[k]}
+  assert differ == {"data.seq_len", "data.heldout_examples", "objective_cfg.anchors_per_sequence",
+                    "num_steps", "optim.warmup_steps", "eval.every_steps", "eval.patience",
+                    "eval.heldout_every_steps"}
+  # The same anchor density: one anchor per 16 row positions.
+  assert ab["data"]["seq_len"] // ab["objective_cfg"]["anchors_per_sequence"] == (
+      shipped["data"]["seq_len"] // shipped["objective_cfg"]["anchors_per_sequence"])
 
 
 def test_loop_aware_fine_tune_refuses_a_loop_aware_config():
