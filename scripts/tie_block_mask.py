@@ -30,6 +30,7 @@ def main(argv=None) -> int:
 
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
+  from dloop_jax.drafters.registry import build_for_loading  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
 
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     raise ConfigError(f"{args.drafter} is a {source.spec.kind!r} drafter; this converts block"
                       " drafters.")
   config = dict(source.drafter_config(), draft_vocab_size=0, mask_token_id=args.mask_token_id)
-  drafter = drafter_io.build_for_loading(config, target=target.model)
+  drafter = build_for_loading(config, target=target.model)
   kept = [(k, v) for k, v in nnx.to_flat_state(nnx.state(source, nnx.Param))
           if k[0] != "mask_embed"]
   nnx.update(drafter, nnx.from_flat_state(kept))

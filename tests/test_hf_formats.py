@@ -22,10 +22,12 @@ import torch.nn.functional as F
 from flax import nnx
 
 import drafter_programs
+from dloop_jax import flat_state
 from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.drafters import build_drafter
 from dloop_jax.drafters import hf_format
 from dloop_jax.drafters import io as drafter_io
+from dloop_jax.drafters import variables
 from dloop_jax.errors import (CheckpointFormatError, ConfigError, DrafterMismatchError,
                               ModelLoadError)
 from dloop_jax.models.transformer import tiny_target
@@ -376,9 +378,9 @@ def _block_program(drafter, features, next_tokens, gamma):
 
 
 def _flat(drafter):
-  _, params, _, _, state = drafter_io.split_drafter(drafter)
-  return {**{k: np.asarray(v) for k, v in drafter_io._flat(params).items()},
-          **{k: np.asarray(v) for k, v in drafter_io._flat(state).items()}}
+  _, params, _, _, state = variables.split_drafter(drafter)
+  return {**{k: np.asarray(v) for k, v in flat_state.flat_values(params).items()},
+          **{k: np.asarray(v) for k, v in flat_state.flat_values(state).items()}}
 
 
 def _assert_same_weights(a, b):
@@ -670,7 +672,7 @@ def test_export_cli_converts_both_ways(target, tmp_path):
   assert os.path.isfile(os.path.join(ours, "drafter.json"))
   assert export_cli.main(["--drafter", ours, "--target", target_dir, "--out", again,
                           "--format", "hf"]) == 0
-  assert hf_format.is_hf_dir(again)
+  assert drafter_io.is_hf_dir(again)
   # Our format stores bfloat16; the HF file written from it holds those values exactly.
   _assert_same_weights(drafter_io.load_drafter(ours, target=target),
                        drafter_io.load_drafter(again, target=target))
@@ -806,7 +808,7 @@ def test_head_drafters_round_trip_through_their_layouts(target, tmp_path, kind):
   np.testing.assert_array_equal(a[0], b[0])
   assert a[1] == b[1]
   # A freshly built one learns its mask vector: the layouts store a mask token id.
-  config = dict(drafter_io.drafter_config_of(drafter))
+  config = dict(variables.drafter_config_of(drafter))
   assert config.pop("mask_token_id") == drafter.spec.mask_token_id
   fresh = build_drafter(config, target=target, rngs=nnx.Rngs(0))
   with pytest.raises(CheckpointFormatError, match="mask embedding is a learned vector"):

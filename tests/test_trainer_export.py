@@ -11,10 +11,12 @@ import pytest
 from ml_collections import ConfigDict
 
 import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
-import dloop_jax.drafters
 import trainer_hooks
 import trainer_standin
+from dloop_jax import flat_state
 from dloop_jax.drafters import io as drafter_io
+from dloop_jax.drafters import registry
+from dloop_jax.drafters import variables
 from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
 from dloop_jax.models.transformer import tiny_target
 from dloop_jax.training import checkpointing as ckpt_lib
@@ -23,9 +25,8 @@ from dloop_jax.training import trainer as trainer_lib
 
 @pytest.fixture(autouse=True)
 def standin_registry(monkeypatch):
-  # load_drafter rebuilds through dloop_jax.drafters.build_drafter.
-  monkeypatch.setattr(dloop_jax.drafters, "build_drafter", trainer_standin.build_drafter,
-                      raising=False)
+  # load_drafter rebuilds through registry.build_drafter.
+  monkeypatch.setattr(registry, "build_drafter", trainer_standin.build_drafter)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,8 @@ def _checkpoint_params(workdir: str, step: int) -> dict[str, np.ndarray]:
 
 
 def _flat_params(drafter) -> dict[str, np.ndarray]:
-  _, params, _, _, _ = drafter_io.split_drafter(drafter)
-  return {k: np.asarray(v) for k, v in drafter_io._flat(params).items()}  # pylint: disable=protected-access
+  _, params, _, _, _ = variables.split_drafter(drafter)
+  return {k: np.asarray(v) for k, v in flat_state.flat_values(params).items()}
 
 
 def test_export_contents(run):

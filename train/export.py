@@ -61,7 +61,7 @@ def _default_target(drafter: str) -> str | None:
   from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
 
-  if hf_format.is_hf_dir(drafter):
+  if drafter_io.is_hf_dir(drafter):
     with open(os.path.join(drafter, hf_format.CONFIG_FILE)) as f:
       return (json.load(f).get(hf_format.META_KEY) or {}).get("target") or None
   return drafter_io.read_info(drafter_io.resolve(drafter)).get("target", {}).get("name") or None
@@ -69,7 +69,6 @@ def _default_target(drafter: str) -> str | None:
 
 def main(argv=None) -> int:
   args = _parse(argv)
-  from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
       kept = counts[np.asarray(drafter.d2t[...])].sum() / max(int(counts.sum()), 1)
       print(f"draft vocabulary: the {args.draft_vocab_size} most frequent of {int(counts.sum())}"
             f" response tokens ({kept:.2%} of them)", file=sys.stderr)
-      info = {} if hf_format.is_hf_dir(args.drafter) else drafter_io.read_info(
+      info = {} if drafter_io.is_hf_dir(args.drafter) else drafter_io.read_info(
           drafter_io.resolve(args.drafter))
       metrics = info.get("metrics")
       # The dataset by its last two path components (name / version), not a machine's path.

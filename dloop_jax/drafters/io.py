@@ -36,8 +36,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dloop_jax import mesh as mesh_lib
-from dloop_jax.drafters import base as base_lib
+from dloop_jax import flat_state
+from dloop_jax import plain_values
+from dloop_jax.drafters import hf_format
+from dloop_jax.drafters import registry
+from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
 
 FORMAT = "dloop_jax.drafter"
@@ -47,58 +50,6 @@ ARRAYS_DIR = "arrays"
 STORAGE_DTYPE = jnp.bfloat16
 WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
 FORMATS = ("dloop", "hf")
-
-
-def _frozen_type() -> type | None:
-  return getattr(base_lib, "Frozen", None)
-
-
-def split_drafter(drafter: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State, nnx.State]:
-  """(graphdef, params, frozen, rng, model_state) of a drafter.
-
-  params: nnx.Param (trained); frozen: target-shared weights (never trained,
-  never stored); rng: RNG streams; model_state: everything else (stored).
-  """
-  frozen_type = _frozen_type()
-  frozen_filter = frozen_type if frozen_type is not None else nnx.Nothing()
-  # Frozen first: it wins should a drafter's frozen type also subclass Param.
-  graphdef, frozen, params, rng, model_state = nnx.split(
-      drafter, frozen_filter, nnx.Param, nnx.RngState, ...)
-  return graphdef, params, frozen, rng, model_state
-
-
-def _flat(state: nnx.State) -> dict[str, Any]:
-  return {"/".join(str(p) for p in path): var.get_value()
-          for path, var in nnx.to_flat_state(state)}
-
-
-def _with_values(state: nnx.State, values: Mapping[str, Any]) -> nnx.State:
-  return nnx.from_flat_state([
-      (path, var.replace(values["/".join(str(p) for p in path)]))
-      for path, var in nnx.to_flat_state(state)])
-
-
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
-                        jnp.floating)
-
-
-def _jsonable(value: Any) -> Any:
-  if isinstance(value, Mapping):
-    return {str(k): _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  if isinstance(value, (np.generic, jax.Array, np.ndarray)):
-    return np.asarray(value).tolist()
-  return value
-
-
-def drafter_config_of(drafter: nnx.Module) -> dict[str, Any]:
-  fn = getattr(drafter, "drafter_config", None)
-  if fn is None:
-    raise ConfigError(f"Drafter {type(drafter).__name__} has no drafter_config(); it cannot be"
-                      " exported (load_drafter rebuilds drafters from it).")
-  return _jsonable(fn())
 
 
 # orbax's marker of a finished write (written on file systems without atomic
@@ -141,13 +92,12 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
   if format not in FORMATS:
     raise ConfigError(f"Unknown drafter export format {format!r}; expected one of {FORMATS}.")
   if format == "hf":
-    from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
     return hf_format.export_hf(drafter, path, target_name=target_name)
   path = os.path.abspath(os.fspath(path))
-  _, params, _, _, model_state = split_drafter(drafter)
-  flat_params = {k: jnp.asarray(v).astype(STORAGE_DTYPE) if _is_float(v) else v
-                 for k, v in _flat(params).items()}
-  flat_model = _flat(model_state)
+  _, params, _, _, model_state = variables_lib.split_drafter(drafter)
+  flat_params = {k: jnp.asarray(v).astype(STORAGE_DTYPE) if variables_lib.is_float(v) else v
+                 for k, v in flat_state.flat_values(params).items()}
+  flat_model = flat_state.flat_values(model_state)
   info_path = os.path.join(path, INFO_FILE)
   if jax.process_index() == 0:
     os.makedirs(path, exist_ok=True)
@@ -171,15 +121,16 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
       "version": VERSION,
       "kind": getattr(drafter, "kind", None),
       "name": getattr(drafter, "name", type(drafter).__name__),
-      "drafter_config": drafter_config_of(drafter),
+      "drafter_config": variables_lib.drafter_config_of(drafter),
       "taps": list(getattr(drafter, "taps", ())),
       "block_size": getattr(drafter, "block_size", None),
       "target": {"name": target_name,
-                 "fingerprint": _jsonable(dict(getattr(drafter, "target_fingerprint", ())))},
+                 "fingerprint": plain_values.to_plain(
+                     dict(getattr(drafter, "target_fingerprint", ())))},
       "params": describe(flat_params),
       "model_state": describe(flat_model),
-      "metrics": _jsonable(dict(metrics or {})),
-      **({"extra": _jsonable(dict(extra))} if extra else {}),
+      "metrics": plain_values.to_plain(dict(metrics or {})),
+      **({"extra": plain_values.to_plain(dict(extra))} if extra else {}),
   }
   if jax.process_index() == 0:
     tmp = info_path + ".tmp"
@@ -229,6 +180,13 @@ def resolve(name_or_path: str | os.PathLike) -> str:
   raise ModelLoadError(
       f"No drafter {p!r}: not a directory, and not a shipped drafter"
       f" ({', '.join(names) if names else 'none are shipped'}).")
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+  """Whether `path` is a Hugging Face drafter directory (not one of our exports)."""
+  p = os.fspath(path)
+  return (os.path.isfile(os.path.join(p, hf_format.CONFIG_FILE))
+          and not os.path.isfile(os.path.join(p, INFO_FILE)))
 
 
 def read_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -289,43 +247,6 @@ def read_arrays(path: str | os.PathLike, info: Mapping[str, Any]
           {k: np.asarray(v) for k, v in out.get("model_state", {}).items()})
 
 
-def assign(state: nnx.State, values: Mapping[str, Any], *, dtype: Any, what: str,
-           source: str) -> nnx.State:
-  """`state` with its arrays replaced by `values` (floats cast to `dtype`).
-
-  Raises:
-    ModelLoadError: names or shapes differ.
-  """
-  current = _flat(state)
-  missing = sorted(set(current) - set(values))
-  unexpected = sorted(set(values) - set(current))
-  if missing or unexpected:
-    raise ModelLoadError(f"{what} in {source} do not fit the drafter its config builds:"
-                         f" missing {missing}, unexpected {unexpected}.")
-  cast = {}
-  for k, v in values.items():
-    if tuple(np.shape(v)) != tuple(np.shape(current[k])):
-      raise ModelLoadError(f"{what} {k!r} in {source} has shape {tuple(np.shape(v))}, the"
-                           f" drafter needs {tuple(np.shape(current[k]))}.")
-    want = dtype if _is_float(current[k]) else current[k].dtype
-    # Cast on the host: a device cast compiles one program per shape and dtype.
-    cast[k] = jnp.asarray(np.asarray(v).astype(np.dtype(want), copy=False))
-  return _with_values(state, cast)
-
-
-def build_for_loading(config: Mapping[str, Any], *, target: Any,
-                      rngs: nnx.Rngs | None = None) -> nnx.Module:
-  """The drafter `config` describes, built for `target` (its weights about to be overwritten)."""
-  from dloop_jax.drafters import build_drafter  # local: registry imports every drafter
-
-  # Drafters may annotate weights with logical axes; flax then needs a mesh in
-  # scope to create them. One device here: callers shard the loaded drafter.
-  mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  with mesh_lib.mesh_context(mesh, mesh_lib.DEFAULT_RULES):
-    return build_drafter(dict(config), target=target,
-                         rngs=rngs if rngs is not None else nnx.Rngs(0))
-
-
 def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
                  rngs: nnx.Rngs | None = None) -> nnx.Module:
   """Rebuilds an exported drafter for `target` and loads its weights.
@@ -343,25 +264,25 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
     DrafterMismatchError: it was trained for another target.
     CheckpointFormatError: a Hugging Face layout our drafters cannot represent.
   """
-  from dloop_jax.drafters import hf_format  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.registry import LoadedTarget  # pylint: disable=g-import-not-at-top
 
   if isinstance(target, LoadedTarget):
     target = target.model
 
-  if hf_format.is_hf_dir(name_or_path):
+  if is_hf_dir(name_or_path):
     return hf_format.load_hf_drafter(name_or_path, target=target, rngs=rngs)
   path = resolve(name_or_path)
   info = read_info(path)
   check_target(info, target.config, source=path)
   params_values, model_values = read_arrays(path, info)
-  drafter = build_for_loading(info["drafter_config"], target=target, rngs=rngs)
-  _, params, _, _, model_state = split_drafter(drafter)
+  drafter = registry.build_for_loading(info["drafter_config"], target=target, rngs=rngs)
+  _, params, _, _, model_state = variables_lib.split_drafter(drafter)
   dtype = getattr(target, "dtype", jnp.float32)
-  nnx.update(drafter, assign(params, params_values, dtype=dtype, what="Weights", source=path))
-  if model_values or _flat(model_state):
-    nnx.update(drafter, assign(model_state, model_values, dtype=dtype, what="Variables",
-                               source=path))
+  nnx.update(drafter, variables_lib.assign(params, params_values, dtype=dtype, what="Weights",
+                                           source=path))
+  if model_values or flat_state.flat_values(model_state):
+    nnx.update(drafter, variables_lib.assign(model_state, model_values, dtype=dtype,
+                                             what="Variables", source=path))
   if hasattr(drafter, "check_target"):
     drafter.check_target(target.config)
   return drafter

@@ -52,9 +52,12 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
+from dloop_jax import mesh as mesh_lib
+from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.drafters.base import Drafter
 from dloop_jax.drafters.block import BlockDrafter
@@ -229,6 +232,17 @@ def build_drafter(config: Mapping[str, Any] | Any, *, target, rngs: nnx.Rngs,
   return drafter
 
 
+def build_for_loading(config: Mapping[str, Any], *, target: Any,
+                      rngs: nnx.Rngs | None = None) -> Drafter:
+  """The drafter `config` describes, built for `target` (its weights about to be overwritten)."""
+  # Drafters may annotate weights with logical axes; flax then needs a mesh in
+  # scope to create them. One device here: callers shard the loaded drafter.
+  mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  with mesh_lib.mesh_context(mesh, mesh_lib.DEFAULT_RULES):
+    return build_drafter(dict(config), target=target,
+                         rngs=rngs if rngs is not None else nnx.Rngs(0))
+
+
 def with_draft_vocab(drafter: Drafter, token_counts: np.ndarray, *, size: int,
                      target) -> Drafter:
   """`drafter`, drafting only the `size` most frequent ids of `token_counts`.
@@ -256,8 +270,7 @@ def with_draft_vocab(drafter: Drafter, token_counts: np.ndarray, *, size: int,
       depend on the vocabulary (e.g. an EAGLE-3 head: train it with a
       draft_vocab_size instead), or a bad size / counts shape.
   """
-  from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
-  config = drafter_io.drafter_config_of(drafter)
+  config = variables_lib.drafter_config_of(drafter)
   vocab_size = int(target.config.vocab_size)
   if int(config.get("draft_vocab_size") or 0):
     raise ConfigError(f"The drafter already drafts over a vocabulary of"

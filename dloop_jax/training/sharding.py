@@ -26,6 +26,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dloop_jax import flat_state
 from dloop_jax import mesh as mesh_lib
 from dloop_jax.errors import ConfigError
 
@@ -120,20 +121,10 @@ def variable_spec(variable: nnx.Variable, *, mesh: Mesh, rules: Sequence[tuple[s
   return heuristic_spec(shape, mesh=mesh, min_size=min_size)
 
 
-def flat_key(path: Sequence[Any]) -> str:
-  """A state path as a checkpoint-friendly string key ("layers/0/kernel")."""
-  return "/".join(str(p) for p in path)
-
-
-def flat_values(state: nnx.State) -> dict[str, Any]:
-  """nnx.State -> {flat key: array}, the layout of checkpoints and exports."""
-  return {flat_key(path): var.get_value() for path, var in nnx.to_flat_state(state)}
-
-
 def flat_shardings(state: nnx.State, *, mesh: Mesh, rules: Sequence[tuple[str, Any]],
                    min_size: int = DEFAULT_MIN_SHARD_SIZE) -> dict[str, NamedSharding]:
   """{flat key: NamedSharding} for every variable of `state`."""
-  return {flat_key(path): NamedSharding(mesh, variable_spec(var, mesh=mesh, rules=rules,
+  return {flat_state.flat_key(path): NamedSharding(mesh, variable_spec(var, mesh=mesh, rules=rules,
                                                             min_size=min_size))
           for path, var in nnx.to_flat_state(state)}
 

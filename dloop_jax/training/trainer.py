@@ -44,8 +44,10 @@ from jax.experimental import multihost_utils
 # `dloop_jax.drafters.base` imports `dloop_jax.decoding`, whose engine imports
 # the drafter base back: importing `decoding` first keeps that cycle resolvable.
 import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
+from dloop_jax import flat_state
 from dloop_jax import mesh as mesh_lib
 from dloop_jax.drafters import io as drafter_io
+from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.drafters import vocab as vocab_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError
 from dloop_jax.recorded_paths import recorded_path
@@ -295,7 +297,7 @@ def _template(state: nnx.State) -> list[tuple[tuple, nnx.Variable]]:
 
 
 def _rebuild(template: list[tuple[tuple, nnx.Variable]], values: Mapping[str, Any]) -> nnx.State:
-  return nnx.from_flat_state([(path, var.replace(values[sharding_lib.flat_key(path)]))
+  return nnx.from_flat_state([(path, var.replace(values[flat_state.flat_key(path)]))
                               for path, var in template])
 
 
@@ -357,7 +359,7 @@ class Trainer:
     self.drafter = drafter
     if hasattr(drafter, "check_target"):
       drafter.check_target(self.target.model.config)
-    self.graphdef, params, frozen, rng, model_state = drafter_io.split_drafter(drafter)
+    self.graphdef, params, frozen, rng, model_state = variables_lib.split_drafter(drafter)
     self._templates = {name: _template(s) for name, s in
                        (("params", params), ("frozen", frozen), ("rng", rng),
                         ("model_state", model_state))}
@@ -370,12 +372,12 @@ class Trainer:
     self.param_shardings = shardings(params)
     self.frozen_shardings = shardings(frozen)
     self.model_state_shardings = shardings(model_state)
-    self.params = _place(sharding_lib.flat_values(params), self.param_shardings)
-    self.frozen = _place(sharding_lib.flat_values(frozen), self.frozen_shardings)
+    self.params = _place(flat_state.flat_values(params), self.param_shardings)
+    self.frozen = _place(flat_state.flat_values(frozen), self.frozen_shardings)
     # What the step reads: the frozen arrays (the target's embedding / head) are
     # never updated, so they are cast to compute_dtype once here, not per step.
     self.frozen_for_step = _cast_floating(self.frozen, jnp.dtype(config.compute_dtype))
-    self.model_state = _place(sharding_lib.flat_values(model_state), self.model_state_shardings)
+    self.model_state = _place(flat_state.flat_values(model_state), self.model_state_shardings)
     self.rng_state = jax.device_put(rng, self.replicated)
     if not self.params:
       raise ConfigError(f"Drafter {type(drafter).__name__} has no nnx.Param to train.")
@@ -421,12 +423,12 @@ class Trainer:
     head restarts from the target's columns; the optimizer state restarts.
     Returns d2t.
     """
-    size = int(drafter_io.drafter_config_of(self.drafter)["draft_vocab_size"])
+    size = int(variables_lib.drafter_config_of(self.drafter)["draft_vocab_size"])
     d2t, _ = vocab_lib.draft_vocab_from_counts(counts, size)
     drafter = self.drafter_with()
     with mesh_lib.mesh_context(self.mesh, self.rules):
       drafter.set_draft_vocab(d2t, target=self.target.model)
-    graphdef, params, frozen, _, model_state = drafter_io.split_drafter(drafter)
+    graphdef, params, frozen, _, model_state = variables_lib.split_drafter(drafter)
 
     def layout(template):
       return [(path, var.get_value().shape) for path, var in template]
@@ -439,8 +441,8 @@ class Trainer:
       self._templates[name] = template
     self.graphdef = graphdef
     self.drafter = drafter
-    self.params = _place(sharding_lib.flat_values(params), self.param_shardings)
-    self.model_state = _place(sharding_lib.flat_values(model_state), self.model_state_shardings)
+    self.params = _place(flat_state.flat_values(params), self.param_shardings)
+    self.model_state = _place(flat_state.flat_values(model_state), self.model_state_shardings)
     self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
     return d2t
 
@@ -469,7 +471,7 @@ class Trainer:
     return {
         "drafter_kind": getattr(d, "kind", None),
         "drafter_class": type(d).__name__,
-        "drafter_config": drafter_io.drafter_config_of(d),
+        "drafter_config": variables_lib.drafter_config_of(d),
         "taps": list(getattr(d, "taps", ())),
         "target": {"name": self.target.name,
                    "fingerprint": dict(self.target.model.config.fingerprint)},

@@ -30,7 +30,6 @@ from dloop_jax.drafters.hf_format.common import META_KEY
 from dloop_jax.drafters.hf_format.common import SAFETENSORS_FILE
 from dloop_jax.drafters.hf_format.common import TORCH_FILE
 from dloop_jax.drafters.hf_format.detect import detect_kind
-from dloop_jax.drafters.hf_format.detect import is_hf_dir
 from dloop_jax.drafters.hf_format.detect import KINDS
 from dloop_jax.drafters.hf_format.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from dloop_jax.drafters.hf_format.domino import ARCHITECTURE as DOMINO_ARCHITECTURE
@@ -41,6 +40,6 @@ from dloop_jax.drafters.hf_format.write import export_hf
 
 __all__ = [
     "CONFIG_FILE", "META_KEY", "SAFETENSORS_FILE", "TORCH_FILE", "KINDS", "detect_kind",
-    "is_hf_dir", "load_hf_drafter", "export_hf", "DFLASH_ARCHITECTURE", "DOMINO_ARCHITECTURE",
+    "load_hf_drafter", "export_hf", "DFLASH_ARCHITECTURE", "DOMINO_ARCHITECTURE",
     "DSPARK_ARCHITECTURE", "EAGLE3_ARCHITECTURES",
 ]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from dloop_jax.drafters import io as io_lib
-from dloop_jax.drafters.hf_format import common
 from dloop_jax.drafters.hf_format import dflash
 from dloop_jax.drafters.hf_format import domino
 from dloop_jax.drafters.hf_format import dspark
@@ -25,13 +22,6 @@ _UNSUPPORTED = {
                         " convention) with its heads configured in dflash_config; ours reads"
                         " DeepSpec's shifted Qwen3DSparkModel",
 }
-
-
-def is_hf_dir(path: str | os.PathLike) -> bool:
-  """Whether `path` is a Hugging Face drafter directory (not one of our exports)."""
-  p = os.fspath(path)
-  return (os.path.isfile(os.path.join(p, common.CONFIG_FILE))
-          and not os.path.isfile(os.path.join(p, io_lib.INFO_FILE)))
 
 
 def detect_kind(hf: Mapping[str, Any], *, source: str = "config.json") -> str:

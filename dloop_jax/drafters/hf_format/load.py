@@ -8,7 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from dloop_jax.drafters import io as io_lib
+from dloop_jax.drafters import registry
+from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.drafters.base import Frozen
 from dloop_jax.drafters.hf_format import common
 from dloop_jax.drafters.hf_format import detect
@@ -45,14 +46,14 @@ def load_hf_drafter(path: str | os.PathLike, *, target: Any,
   kind = detect.detect_kind(hf, source=os.path.join(path, common.CONFIG_FILE))
   tensors = common.read_tensors(path)
   config, params, model_state, embed = _READERS[kind](hf, tensors, target, source=path)
-  drafter = io_lib.build_for_loading(config, target=target, rngs=rngs)
-  _, param_state, _, _, state = io_lib.split_drafter(drafter)
+  drafter = registry.build_for_loading(config, target=target, rngs=rngs)
+  _, param_state, _, _, state = variables_lib.split_drafter(drafter)
   dtype = getattr(target, "dtype", jnp.float32)
-  nnx.update(drafter, io_lib.assign(param_state, params, dtype=dtype, what="Weights",
-                                    source=path))
+  nnx.update(drafter, variables_lib.assign(param_state, params, dtype=dtype, what="Weights",
+                                           source=path))
   if model_state:
-    nnx.update(drafter, io_lib.assign(state, model_state, dtype=dtype, what="Variables",
-                                      source=path))
+    nnx.update(drafter, variables_lib.assign(state, model_state, dtype=dtype,
+                                             what="Variables", source=path))
   if embed is not None:
     # The checkpoint ships its own (frozen) embedding: use it, not the target's.
     drafter.embed = Frozen(jnp.asarray(embed, dtype))
