@@ -2,6 +2,7 @@
 
     python -m infer.bench.long_prompt                          # ~2k / 4k / 7k tokens, 16 new
     python -m infer.bench.long_prompt --tokens 7000 --weights f32 --weights default
+    python -m infer.bench.long_prompt --tokens 7000 --profile gpu --no-hf  # an accelerator's defaults
 
 Each (prompt length, method) runs in its own process, one after another and
 interleaved per length, so that a method's peak resident memory (the child's
@@ -42,7 +43,7 @@ def _worker(args) -> dict:
   """Runs one method on one prompt in this process; returns its figures."""
   from dloop_jax.models.registry import load_target  # pylint: disable=g-import-not-at-top
   weights = None if args.weights == "default" else args.weights
-  target = load_target(args.target, weights=weights)
+  target = load_target(args.target, weights=weights, profile=args.profile)
   ids = prompt_ids(target.tokenizer, args.tokens)
   if args.worker == "hf":
     from infer.bench import methods  # pylint: disable=g-import-not-at-top
@@ -57,7 +58,7 @@ def _worker(args) -> dict:
       seconds = time.perf_counter() - t0
     return dict(tokens=out[0, len(ids):].tolist(), seconds=seconds, compile_seconds=0.0)
   from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
-  out = generate(target.model, [ids], max_new_tokens=args.new, mode="ar")
+  out = generate(target.model, [ids], max_new_tokens=args.new, mode="ar", profile=args.profile)
   return dict(tokens=list(out.tokens[0]), seconds=out.seconds,
               compile_seconds=out.compile_seconds,
               weights=str(target.model.weight_dtype))
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
   p.add_argument("--weights", action="append", choices=("default", "f32", "bf16"),
                  help="our weight storage (repeatable; default: default and f32)")
   p.add_argument("--no-hf", action="store_true", help="leave transformers out")
+  p.add_argument("--profile", choices=("cpu", "gpu", "tpu"), default=None,
+                 help="load and decode ours with this backend profile (default: this backend's);"
+                      " 'gpu' on a CPU runs an accelerator's bf16 compute, cache and forms")
   p.add_argument("--worker", choices=("jax", "hf"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
         f"  {'vs hf':>6}  same tokens as hf")
   for n in lengths:
     common = ["--target", args.target, "--tokens", str(n), "--new", str(args.new)]
+    if args.profile:
+      common += ["--profile", args.profile]
     runs = {}
     if not args.no_hf:
       runs["hf"] = _spawn(common + ["--worker", "hf", "--weights", "f32"])
