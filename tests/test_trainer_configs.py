@@ -8,6 +8,7 @@ import os
 import pytest
 
 import trainer_hooks
+from dloop_jax import plain_values
 from dloop_jax.training import config as config_lib
 
 CONFIGS = sorted(f for f in os.listdir(os.path.join(trainer_hooks.ROOT, "configs"))
@@ -98,8 +99,8 @@ def test_block_ab_recipe_is_the_shipped_one_at_a_smaller_size(monkeypatch):
   """The A/B arms differ from the shipped recipe only in the size of the run and the
   held-out examples they are measured on (docs/drafters_smollm2.md)."""
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)
-  shipped = config_lib.to_plain(trainer_hooks.load_config_file("smollm2_block.py", "cpu10k"))
-  ab = config_lib.to_plain(trainer_hooks.load_config_file("smollm2_block.py", "ab"))
+  shipped = plain_values.to_plain(trainer_hooks.load_config_file("smollm2_block.py", "cpu10k"))
+  ab = plain_values.to_plain(trainer_hooks.load_config_file("smollm2_block.py", "ab"))
   differ = {f"{section}.{key}" for section in shipped if isinstance(shipped[section], dict)
             for key in shipped[section] if shipped[section][key] != ab[section][key]}
   differ |= {k for k in shipped if not isinstance(shipped[k], dict) and shipped[k] != ab[k]}

@@ -74,7 +74,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
   from dloop_jax.data import target_responses as tr_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.data import tfds_utils  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from dloop_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.plain_values import to_plain  # pylint: disable=g-import-not-at-top
 
   data_dir = os.path.expanduser(data_dir or config.data_dir or tfds_utils.default_data_dir())
   wanted = list(only) if only else list(config.datasets)
@@ -82,7 +82,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
   if unknown:
     raise ConfigError(f"Unknown datasets {unknown}; choose from {list(DATASETS)}.")
   summary: dict[str, Any] = {"data_dir": data_dir}
-  sg_options = config_lib.to_plain(config.sharegpt)
+  sg_options = to_plain(config.sharegpt)
   if "sharegpt" in wanted:
     builder = sharegpt_lib.build_sharegpt(data_dir=data_dir, **sg_options)
     summary["sharegpt"] = {

@@ -84,7 +84,7 @@ from dloop_jax.data.response_store import (ResponseStore, answer_spec, claim_dir
 from dloop_jax.data import sharegpt as sharegpt_lib
 from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
 from dloop_jax.errors import ConfigError
-from dloop_jax.training.config import to_plain
+from dloop_jax.plain_values import to_plain
 
 NAME = "target_responses"
 TRAIN = "train"

@@ -18,6 +18,7 @@ from typing import Any
 import ml_collections
 
 from dloop_jax import mesh as mesh_lib
+from dloop_jax import plain_values
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import distributed as distributed_lib
 from dloop_jax.training import sharding as sharding_lib
@@ -183,7 +184,8 @@ def loop_aware_fine_tune(c: ml_collections.ConfigDict, *, num_steps: int,
   if base == "loop_aware":
     raise ConfigError("loop_aware_fine_tune needs the config of a normally trained drafter;"
                       " this one already fine-tunes loop-aware.")
-  settings = dict(to_plain(c.objective_cfg), max_stages=max_stages, base_objective=base)
+  settings = dict(plain_values.to_plain(c.objective_cfg), max_stages=max_stages,
+                  base_objective=base)
   # Stated, so that a fine-tune aimed at a narrower stage (e.g. 2 x 2 for a 5-token
   # verification) can set it: --config.objective_cfg.block_size=2.
   if "block_size" in c.drafter:
@@ -299,12 +301,3 @@ def validate(config: Mapping[str, Any]) -> None:
     raise ConfigError("drafter.kind is required (e.g. 'eagle3', 'block', 'dspark' or 'domino').")
   check_draft_vocab(c["drafter"]["kind"], c["drafter"].get("draft_vocab_size"))
   sharding_lib.normalize_rules(c["sharding"]["rules"])
-
-
-def to_plain(value: Any) -> Any:
-  """ConfigDict / FrozenConfigDict / tuples -> JSON-serializable plain values."""
-  if isinstance(value, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict, Mapping)):
-    return {str(k): to_plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [to_plain(v) for v in value]
-  return value

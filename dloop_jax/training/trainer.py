@@ -46,6 +46,7 @@ from jax.experimental import multihost_utils
 import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
 from dloop_jax import flat_state
 from dloop_jax import mesh as mesh_lib
+from dloop_jax import plain_values
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.drafters import vocab as vocab_lib
@@ -119,7 +120,7 @@ class TrainHooks:
 
 def tiny_target_name(target_config: Mapping[str, Any]) -> str:
   """Identifies a tiny random target: its weights depend on seed, scale and shape."""
-  overrides = config_lib.to_plain(target_config.get("overrides") or {})
+  overrides = plain_values.to_plain(target_config.get("overrides") or {})
   extra = "".join(f",{k}={overrides[k]}" for k in sorted(overrides))
   return f"tiny(seed={target_config['seed']},init_std={target_config['init_std']}{extra})"
 
@@ -130,7 +131,7 @@ def default_build_target(target_config: Mapping[str, Any]) -> Target:
 
   dtype = jnp.dtype(target_config["dtype"])
   if target_config["model"] == "tiny":
-    overrides = config_lib.to_plain(target_config.get("overrides") or {})
+    overrides = plain_values.to_plain(target_config.get("overrides") or {})
     model = Transformer(tiny_config(**overrides), rngs=nnx.Rngs(int(target_config["seed"])),
                         dtype=dtype, init_std=float(target_config["init_std"]))
     return Target(model=model, name=tiny_target_name(target_config))
@@ -174,7 +175,7 @@ def default_make_iterator(config, *, target: Target, drafter, workdir, batch_siz
   """
   pipeline = _pipeline()
   d = config.data
-  options = config_lib.to_plain(d.options)
+  options = plain_values.to_plain(d.options)
   # How rows are formed (every source); the other keys configure the tiny build.
   row_options = {k: options.pop(k) for k in ITERATOR_OPTIONS if k in options}
   if d.source == "tiny_random":
@@ -278,7 +279,7 @@ def check_same_config(config: ml_collections.ConfigDict) -> None:
   Processes started with different settings would deadlock at the first
   collective whose shapes differ, or silently train on mismatched steps.
   """
-  text = json.dumps(config_lib.to_plain(config), sort_keys=True, default=str)
+  text = json.dumps(plain_values.to_plain(config), sort_keys=True, default=str)
   digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
   every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
   differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
@@ -353,7 +354,7 @@ class Trainer:
     # Created inside the mesh and the logical rules: flax 0.12 shards
     # variables annotated with `out_sharding` eagerly, and needs both in scope.
     with mesh_lib.mesh_context(self.mesh, self.rules):
-      drafter = self.hooks.build_drafter(config_lib.to_plain(config.drafter),
+      drafter = self.hooks.build_drafter(plain_values.to_plain(config.drafter),
                                          target=self.target.model,
                                          rngs=nnx.Rngs(int(config.seed)))
     self.drafter = drafter
@@ -476,7 +477,7 @@ class Trainer:
         "target": {"name": self.target.name,
                    "fingerprint": dict(self.target.model.config.fingerprint)},
         "objective": self.config.objective,
-        "config": config_lib.to_plain(self.config),
+        "config": plain_values.to_plain(self.config),
     }
 
   def check_meta(self, meta: Mapping[str, Any], *, where: str) -> None:
