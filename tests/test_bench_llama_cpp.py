@@ -93,19 +93,17 @@ def test_unknown_peer_fails_before_the_target_loads():
 
 
 def test_llama_cpp_greedy_run_on_the_default_gguf():
-  """A few greedy tokens of llama.cpp on the chat-templated prompt, the whole prompt evaluated
-  on each run (the same tokens after another prompt was run)."""
+  """A few greedy tokens of llama.cpp on a chat prompt, the whole prompt evaluated on each run
+  (the same tokens after another prompt was run)."""
   pytest.importorskip("llama_cpp", reason="the optional extra llama-cpp is not installed")
-  from dloop_jax.models.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
-  path = registry.registry_path(registry.DEFAULT_TARGET)
-  tok = Tokenizer.from_gguf(path)
-  model = llama_cpp_peer.load(path, threads=1, context=128)
+  model = llama_cpp_peer.load(registry.registry_path(registry.DEFAULT_TARGET), threads=1,
+                              context=128)
   peer = llama_cpp_peer.LlamaCppPeer(model=model, max_new_tokens=4,
-                                     stop_tokens=tok.stop_token_ids)
+                                     stop_tokens=[model.token_eos()])
 
-  def ids(text):
-    return tok.apply_chat_template([{"role": "user", "content": text}],
-                                   add_generation_prompt=True)
+  def ids(text):  # a ChatML prompt (the file's template), tokenized by llama.cpp
+    chat = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return model.tokenize(chat.encode(), add_bos=False, special=True)
 
   first = peer.run(ids("What is 2 + 2?"))
   assert 1 <= len(first.tokens) <= 4 and first.seconds > 0
