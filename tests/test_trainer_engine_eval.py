@@ -9,7 +9,6 @@ import types
 import pytest
 from ml_collections import ConfigDict
 
-import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
 import trainer_hooks
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.errors import ConfigError

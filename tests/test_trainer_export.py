@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
 import trainer_hooks
 import trainer_standin
 from dloop_jax import flat_state

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
 import trainer_hooks
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.transformer import f32_dot_general

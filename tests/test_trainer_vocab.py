@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-import dloop_jax.decoding  # noqa: F401  (import order of drafters.base)
 import trainer_hooks
 from dloop_jax.data import pipeline
 from dloop_jax.drafters import io as drafter_io

@@ -41,9 +41,6 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-# `dloop_jax.drafters.base` imports `dloop_jax.decoding`, whose engine imports
-# the drafter base back: importing `decoding` first keeps that cycle resolvable.
-import dloop_jax.decoding  # noqa: F401  pylint: disable=unused-import
 from dloop_jax import flat_state
 from dloop_jax import mesh as mesh_lib
 from dloop_jax import plain_values
