@@ -1,4 +1,5 @@
-"""Building drafters from plain configs: `default_drafter_config`, `build_drafter`.
+"""Building drafters from plain configs: `default_drafter_config`, `build_drafter`
+(`build_for_loading`: the same, for weights about to be loaded into it).
 
 A drafter config is a flat dict (or ConfigDict):
 
