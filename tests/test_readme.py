@@ -47,7 +47,7 @@ def test_the_two_commands_are_in_the_readme_and_ci_runs_the_test_one():
 def test_python_examples_run_and_decode():
   blocks = _python_blocks()
   assert any("dl.generate(" in code for code in blocks), "no generate() example in README.md"
-  # The real model's programs compile faster with these flags (conftest).
+  # As a user runs it: the flags users get (conftest).
   env = dict(os.environ, XLA_FLAGS=os.environ["DLOOP_TEST_REAL_MODEL_XLA_FLAGS"])
   for code in blocks:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,

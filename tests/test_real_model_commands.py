@@ -44,7 +44,7 @@ REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar
 
 
 def _env() -> dict[str, str]:
-  # The runs compile few, large programs: the real model's flags (conftest).
+  # The flags users get: these runs check the shipped drafters' losslessness (conftest).
   return dict(os.environ, XLA_FLAGS=os.environ["DLOOP_TEST_REAL_MODEL_XLA_FLAGS"])
 
 
