@@ -89,6 +89,7 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
                   block_size=block_size)
       return target, registry.build_drafter(spec, target=target, rngs=nnx.Rngs(0))
 
+    jax.clear_caches()  # each row compiles afresh (rows may share a program shape)
     target, drafter = _abstract(build)
     static, args = engine._prepare(  # pylint: disable=protected-access
         target, prompts, config=DecodingConfig(**options), max_new_tokens=max_new_tokens,
