@@ -45,6 +45,12 @@ class DecodingConfig:
       scheduler loses at most this fraction of a round's tokens per cost;
       0: compile every width; `schedule.choosable_widths`).
     sampling: greedy by default.
+    lookup: "off", or "prompt": a row's first stage takes prompt-lookup drafts
+      where the lookup matched and the drafter is unsure (`decoding.lookup`;
+      greedy chains in sd / dloop).
+    lookup_min_match: the shortest matched suffix (tokens) the lookup stage uses.
+    lookup_max_probability: the lookup stage replaces drafts whose first one
+      the drafter gives a probability below this.
     profile: "cpu", "gpu", "tpu" or None (this backend's).
     allow_inexact: run a 16-bit target at free widths anyway.
   """
@@ -61,6 +67,9 @@ class DecodingConfig:
   costs: Any = None
   width_tolerance: float = 0.02
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
+  lookup: str = "off"
+  lookup_min_match: int = 2
+  lookup_max_probability: float = 0.5
   profile: str | None = None
   allow_inexact: bool = False
 

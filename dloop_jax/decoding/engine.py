@@ -61,6 +61,7 @@ from dloop_jax.decoding import deferred as deferred_lib
 from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import finish as finish_lib
 from dloop_jax.decoding import gate as gate_lib
+from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding import tree_round
@@ -109,6 +110,11 @@ class _Static:
   # The widths the cost table leaves worth compiling (`schedule.choosable_widths`);
   # empty: every candidate width.
   choosable: tuple[int, ...] = ()
+  # Prompt lookup in the first stage (`decoding.lookup`): off, or its rule's
+  # shortest match and the drafter's first-draft probability below which it fires.
+  lookup: bool = False
+  lookup_min_match: int = 2
+  lookup_max_probability: float = 0.5
 
   @property
   def draft_width(self) -> int:
@@ -156,6 +162,7 @@ class _Stats:
   drafter_forwards: jax.Array  # [B]
   target_tokens: jax.Array  # [B] tokens read by target forwards, prefill excluded
   stage_hist: jax.Array  # [B, S_max + 1] rounds by number of stages drafted
+  lookup_rounds: jax.Array  # [B] rounds whose first stage took prompt-lookup drafts
 
 
 @struct.dataclass
@@ -326,7 +333,7 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                  plain_rounds=zeros, accepted=zeros,
                  drafter_forwards=zeros + (1 if drafter is not None else 0),
                  target_tokens=zeros,
-                 stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32))
+                 stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32), lookup_rounds=zeros)
   loop = _Loop(cache=cache, drafter_state=drafter_state, pending=first, out=out,
                num_new=counts, done=done, features=features, stats=stats,
                backoff=draft_policy.Backoff.create(b),
@@ -391,12 +398,19 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     probs0 = (None if s.sampling.greedy else
               jnp.zeros((b, s.draft_width, target.config.vocab_size), jnp.float32))
 
+    proposal = None
+    if s.lookup:
+      history, lengths = lookup_lib.committed_history(
+          prompts=prompts, prompt_lengths=prompt_lengths, out=lp.out, num_new=lp.num_new)
+      proposal = lookup_lib.propose(history=history, lengths=lengths, block_size=gamma,
+                                    min_match=s.lookup_min_match)
+
     def stage_cond(c):
-      stage, _, _, _, _, _, going = c
+      stage, _, _, _, _, _, going, _ = c
       return (stage < s.max_stages) & jnp.any(going)
 
     def stage_body(c):
-      stage, dstate, drafts, conf, probs, num_stages, going = c
+      stage, dstate, drafts, conf, probs, num_stages, going, looked_up = c
       dstate, drafted = drafter.draft_stage(
           dstate, key=jax.random.fold_in(draft_key, stage), block_size=gamma, sampling=s.sampling)
       drafts = jax.lax.dynamic_update_slice(drafts, drafted.tokens.astype(jnp.int32),
@@ -411,19 +425,36 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         probs = jax.lax.dynamic_update_slice(probs, drafted.probs.astype(jnp.float32),
                                              (0, stage * gamma, 0))
       num_stages = num_stages + going
+      if s.lookup:
+        # Decided from the first stage only; a row that takes the lookup's
+        # drafts stops there, since later stages continue the drafter's own.
+        looked_up = looked_up | ((stage == 0) & lookup_lib.fires(
+            proposal=proposal, first_logprob=drafted.logprobs[:, 0], drafting=going,
+            min_match=s.lookup_min_match, max_probability=s.lookup_max_probability))
+        going = going & ~looked_up
       if s.mode == "dloop":
         confidence = gate_lib.stage_confidence(drafted.logprobs)
         going = going & gate_lib.continue_drafting(
             confidence, gate=gate, stages_done=stage + 1, max_stages=s.max_stages)
       else:
         going = jnp.zeros_like(going)
-      return stage + 1, dstate, drafts, conf, probs, num_stages, going
+      return stage + 1, dstate, drafts, conf, probs, num_stages, going, looked_up
 
-    _, dstate, drafts, conf, probs, num_stages, _ = jax.lax.while_loop(
+    _, dstate, drafts, conf, probs, num_stages, _, looked_up = jax.lax.while_loop(
         stage_cond, stage_body,
         (jnp.zeros((), jnp.int32), dstate, drafts0, conf0, probs0, zeros,
-         draft_policy.wants_draft(lp.backoff, active=active)))
+         draft_policy.wants_draft(lp.backoff, active=active), jnp.zeros((b,), bool)))
     num_drafts = num_stages * gamma
+    if s.lookup:
+      # The lookup's drafts replace the first stage's; a short proposal is
+      # fewer drafts. The scheduler takes them as certain: the rule that fires
+      # the lookup was measured with every lookup draft verified.
+      drafts = drafts.at[:, :gamma].set(
+          jnp.where(looked_up[:, None], proposal.tokens, drafts[:, :gamma]))
+      conf = conf.at[:, :gamma].set(jnp.where(looked_up[:, None], 1.0, conf[:, :gamma]))
+      num_drafts = jnp.where(looked_up, proposal.num_tokens, num_drafts)
+      lp = lp.replace(stats=lp.stats.replace(
+          lookup_rounds=lp.stats.lookup_rounds + looked_up.astype(jnp.int32)))
 
     # ------------------------------------------- what to verify, then verify it
     if s.schedule == "cost":
@@ -565,6 +596,9 @@ def _prepare(
             confidence=confidence)
   if not isinstance(sampling, sampling_lib.SamplingConfig):
     raise ConfigError("sampling must be a SamplingConfig.")
+  lookup_lib.validate(lookup=config.lookup, min_match=config.lookup_min_match,
+                      max_probability=config.lookup_max_probability, mode=mode,
+                      greedy=sampling.greedy, tree_budget=tree_budget)
   if not (isinstance(config.width_tolerance, (int, float)) and config.width_tolerance >= 0):
     raise ConfigError(f"width_tolerance must be a number >= 0 (0 compiles every width), got"
                       f" {config.width_tolerance!r}.")
@@ -610,6 +644,10 @@ def _prepare(
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
       prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0,
       grow_cache=bool(grow_cache), fixed_width=int(fixed_width))
+  if config.lookup == "prompt":  # only then do its options shape the program
+    static = dataclasses.replace(
+        static, lookup=True, lookup_min_match=int(config.lookup_min_match),
+        lookup_max_probability=float(config.lookup_max_probability))
 
   padded = np.zeros((len(prompts), tp), np.int32)
   for i, p in enumerate(prompts):
@@ -755,6 +793,12 @@ def generate(
       rounds in a pause are plain decode steps); 0 drafts every round. None:
       `DEFAULT_DRAFT_BACKOFF` with schedule="cost", else 0 (fixed widths too). A traced
       value: changing it does not recompile.
+    lookup: ("sd" / "dloop", greedy chains) "prompt": where the newest
+      `lookup_min_match`..3 tokens of a row occurred earlier in its prompt or
+      output and the drafter's first draft has probability below
+      `lookup_max_probability`, the round verifies the tokens that followed
+      that occurrence instead of the drafter's stages (`decoding.lookup`;
+      counted in `RowStats.lookup_rounds`); "off" (default): the drafter's.
     tree_budget: ("sd" / "dloop") B > 0 drafts a tree of the B best prefixes
       per stage (DDTree) and verifies the whole tree in one target forward
       (`decoding.tree_round`; drafters with `supports_trees`); 0: chains.
@@ -819,7 +863,8 @@ def generate(
         plain_rounds=int(stats.plain_rounds[i]), accepted=int(stats.accepted[i]),
         drafter_forwards=int(stats.drafter_forwards[i]) if not is_ar else 0,
         target_tokens=int(stats.target_tokens[i]),
-        stage_histogram=[int(x) for x in stats.stage_hist[i]] if not is_ar else []))
+        stage_histogram=[int(x) for x in stats.stage_hist[i]] if not is_ar else [],
+        lookup_rounds=int(stats.lookup_rounds[i])))
   feats = None
   if capture_taps:
     feats_np = np.asarray(features)

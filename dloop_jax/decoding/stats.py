@@ -23,6 +23,8 @@ class RowStats:
     drafter_forwards: drafter forward passes (commits included).
     target_tokens: tokens read by target forwards after the prefill.
     stage_histogram: rounds by number of drafting stages (index = stages).
+    lookup_rounds: rounds whose first stage took prompt-lookup drafts
+      (`generate(lookup="prompt")`).
   """
 
   new_tokens: int
@@ -35,6 +37,7 @@ class RowStats:
   drafter_forwards: int = 0
   target_tokens: int = 0
   stage_histogram: list[int] = dataclasses.field(default_factory=list)
+  lookup_rounds: int = 0
 
   @property
   def target_forwards(self) -> int:
@@ -103,7 +106,8 @@ class GenerationOutput:
         accepted=sum(r.accepted for r in self.rows),
         drafter_forwards=sum(r.drafter_forwards for r in self.rows),
         target_tokens=sum(r.target_tokens for r in self.rows),
-        stage_histogram=hist)
+        stage_histogram=hist,
+        lookup_rounds=sum(r.lookup_rounds for r in self.rows))
 
   @property
   def tokens_per_second(self) -> float:
