@@ -5,6 +5,7 @@
     python -m infer.bench --drafters NAME_OR_PATH,... --sweep --out bench_out
     python -m infer.bench --quick --no-drafters --max-new-tokens 128   # our ar vs transformers
     python -m infer.bench --quick --weights f32,bf16 --fixed-widths 5    # both weight storages
+    python -m infer.bench --quick --modes sd --lookups off,prompt   # without and with prompt lookup
 
 Methods, measured in one run on the same prompts, interleaved per prompt (the
 order rotates from prompt to prompt) after a warm-up: our `ar`; for every
@@ -98,6 +99,9 @@ def _parse(argv):
                       " its top draft probabilities) and / or probability (the top draft"
                       " probabilities always: methods sd~prob, dloop~prob, run for drafters"
                       " with a learned confidence only)")
+  p.add_argument("--lookups", type=_names, default=["off"],
+                 help="off and / or prompt: chains of sd / dloop without and with the"
+                      " prompt-lookup stage (methods named ...+lookup; greedy only)")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest drafting pause after fruitless rounds (default: 64 with schedule"
                       " cost, 0 with off; the gate sweep always drafts)")
@@ -262,11 +266,12 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
           # only for a drafter with a learned confidence.
           learned = schedule == "cost" and not budget and d.has_confidence
           for confidence in (args.confidences if learned else ["auto"]):
-            methods.append(methods_lib.Ours(
-                method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
-                gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
-                draft_backoff=args.draft_backoff, tree_budget=budget, confidence=confidence,
-                **free_widths, **common))
+            for lookup in (args.lookups if not budget else ["off"]):  # chains only
+              methods.append(methods_lib.Ours(
+                  method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
+                  gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
+                  draft_backoff=args.draft_backoff, tree_budget=budget, confidence=confidence,
+                  lookup=lookup, **free_widths, **common))
   for width in fixed_widths:
     methods.append(methods_lib.Ours(method="ar", fixed_width=width, **common))
   for label, d in (drafters if fixed_widths else ()):
@@ -290,10 +295,11 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
           _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
                f" {fixed_widths}; skipped")
           continue
-      methods.append(methods_lib.Ours(
-          method=mode, drafter=d, drafter_label=label, block_size=gamma,
-          gate=args.gate, max_stages=stages, schedule="off",
-          draft_backoff=args.draft_backoff, fixed_width=width, **common))
+      for lookup in args.lookups:
+        methods.append(methods_lib.Ours(
+            method=mode, drafter=d, drafter_label=label, block_size=gamma,
+            gate=args.gate, max_stages=stages, schedule="off",
+            draft_backoff=args.draft_backoff, fixed_width=width, lookup=lookup, **common))
   return methods
 
 
@@ -328,6 +334,10 @@ def main(argv=None) -> int:
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     if any(b < 0 for b in args.tree_budgets):
       raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
+    if not args.lookups or any(x not in ("off", "prompt") for x in args.lookups):
+      raise DLoopError(f"--lookups takes off and / or prompt, got {','.join(args.lookups)!r}.")
+    if "prompt" in args.lookups and args.temperature > 0:
+      raise DLoopError("--lookups prompt runs greedy decoding only (temperature 0).")
     if not args.confidences or any(x not in ("auto", "probability") for x in args.confidences):
       raise DLoopError("--confidences takes auto and / or probability, got"
                        f" {','.join(args.confidences)!r}.")

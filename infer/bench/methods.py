@@ -9,6 +9,8 @@
                                     (confidence="probability"; drafters with one)
            sd/treeB/all, ...        draft trees of B nodes per stage (tree_budget=B), verified
                                     whole ("/all") or their best nodes that pay (no "/all")
+           sd+lookup, dloop/all+lookup, ...  prompt-lookup drafts where the drafter is unsure
+                                    (lookup="prompt", greedy chains; `decoding.lookup`)
     peers  hf                       transformers (PyTorch) greedy generate()
            hf_pld                   transformers prompt-lookup decoding
                                     (generate(prompt_lookup_num_tokens=...))
@@ -77,6 +79,7 @@ class Ours:
   fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
   weights: str = ""  # the target's weight storage when not the run's reference ("bf16"); "": it
   confidence: str = "auto"  # the scheduler's c_k (`generate(confidence=)`)
+  lookup: str = "off"  # "prompt": the prompt-lookup stage (`generate(lookup=)`)
   # A 16-bit target at free widths, whose greedy outputs equal ar's only up to
   # 16-bit rounding (`generate(allow_inexact=)`): reported, not held to ar's tokens.
   allow_inexact: bool = False
@@ -85,7 +88,8 @@ class Ours:
   def method_name(self) -> str:
     """The method as reported: the mode, "/treeB" with trees, "/all" when every draft is
     verified, "~prob" when the scheduler reads the top draft probabilities of a drafter that
-    has a learned confidence, "/wW" at a fixed forward width W, "@bf16" on a target whose
+    has a learned confidence, "+lookup" with the prompt-lookup stage, "/wW" at a fixed
+    forward width W, "@bf16" on a target whose
     weights are stored otherwise than the run's reference `ar`'s, "~inexact" for a 16-bit
     target at free widths."""
     width = f"/w{self.fixed_width}" if self.fixed_width else ""
@@ -97,6 +101,8 @@ class Ours:
     name = f"{name}/all" if self.schedule == "off" else name
     if self.confidence == "probability":
       name += "~prob"
+    if self.lookup != "off":
+      name += "+lookup"
     return name + width + weights
 
   @property
@@ -112,7 +118,7 @@ class Ours:
         max_stages=self.max_stages, sampling=self.sampling, schedule=self.schedule,
         costs=self.costs, draft_backoff=self.draft_backoff, tree_budget=self.tree_budget,
         fixed_width=self.fixed_width, confidence=self.confidence,
-        allow_inexact=self.allow_inexact)
+        allow_inexact=self.allow_inexact, lookup=self.lookup)
 
   def run(self, prompt_ids: Sequence[int], *, gate: float | None = None,
           max_stages: int | None = None) -> Run:

@@ -15,9 +15,11 @@ from collections.abc import Iterable, Sequence
 
 OVERALL = "overall"
 
-# A method as `methods.OurMethod.method_name` spells it: mode[/treeB][/all][~prob][/wW][@weights].
+# A method as `methods.OurMethod.method_name` spells it:
+# mode[/treeB][/all][~prob][+lookup][/wW][@weights].
 _METHOD_NAME = re.compile(r"(?P<mode>[a-z_]+)(?:/tree(?P<budget>\d+))?(?P<all>/all)?"
-                          r"(?P<prob>~prob)?(?:/w(?P<width>\d+))?(?:@(?P<weights>\w+))?")
+                          r"(?P<prob>~prob)?(?P<lookup>\+lookup)?(?:/w(?P<width>\d+))?"
+                          r"(?:@(?P<weights>\w+))?")
 
 
 def modeled_tokens_per_step(recs: Sequence[dict]) -> float | None:
@@ -97,10 +99,10 @@ def summarize(records: Iterable[dict]) -> list[dict]:
     # sd/tree8/all, ..., dloop, ...
     parts = _METHOD_NAME.fullmatch(method)
     if parts is None:
-      return (len(order), 0, False, "", 0, method)
+      return (len(order), 0, False, False, "", 0, method)
     chain = parts["mode"] + (parts["all"] or "")
     return (order.get(chain, len(order)), int(parts["budget"] or 0), bool(parts["prob"]),
-            parts["weights"] or "", int(parts["width"] or 0), method)
+            bool(parts["lookup"]), parts["weights"] or "", int(parts["width"] or 0), method)
 
   keys = sorted(groups, key=lambda k: (k[0] == OVERALL, k[0], rank(k[1]), k[2]))
   return [_row(c, m, d, groups[(c, m, d)], ar_tps.get(c), ar_per_step.get(c))
