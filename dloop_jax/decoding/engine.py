@@ -27,6 +27,10 @@ With `fixed_width=W` every target forward after prefill is W tokens wide
 (plain steps padded, every draft verified), so that all modes at one W give
 bit-identical greedy outputs in any weight dtype (docs/decoding.md).
 
+With `lookup="prompt"` a row whose drafter is unsure of its first draft, and
+whose newest tokens occurred earlier in its prompt or output, verifies the
+tokens that followed them instead of its stages (`decoding.lookup`).
+
 With `tree_budget=B > 0` a round drafts, verifies and accepts a draft tree
 instead (`decoding.tree_round`: top-B prefixes per stage, one forward over the
 whole tree, the walk, compaction of the accepted path).
