@@ -87,6 +87,10 @@ def _parse(argv):
                       " (methods named ...@bf16) against the first's ar. Default: f32, plus"
                       " the profile's weights when they are 16-bit (what python -m infer runs"
                       " by default)")
+  p.add_argument("--profile", choices=("cpu", "gpu", "tpu"), default=None,
+                 help="backend profile of our targets (precision, product forms, the default"
+                      " --weights / --fixed-widths); default: this backend's. 'gpu' on a CPU"
+                      " checks an accelerator's configuration")
   p.add_argument("--modes", default="sd,dloop",
                  help="speculative modes to run with each drafter: sd and / or dloop (our ar,"
                       " the reference of every comparison, always runs)")
@@ -148,7 +152,7 @@ def _profile_defaults(args) -> None:
   machine is among the methods (f32 reference, plus the profile's 16-bit weights at its
   fixed width)."""
   from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
-  profile = profiles.resolve()
+  profile = profiles.resolve(args.profile)
   sixteen = profile.weights != "f32"
   if args.weights is None:
     args.weights = ["f32"] + ([profile.weights] if sixteen else [])
@@ -356,7 +360,8 @@ def main(argv=None) -> int:
       raise DLoopError(f"--weights takes f32 and / or bf16 (the first is the reference),"
                        f" got {','.join(args.weights)!r}.")
     t0 = time.perf_counter()
-    targets = {w: registry.load_target(args.target, weights=w) for w in args.weights}
+    targets = {w: registry.load_target(args.target, weights=w, profile=args.profile)
+               for w in args.weights}
     target = targets[args.weights[0]]  # the reference: its ar is every method's baseline
     tok = target.tokenizer
     if tok is None:
