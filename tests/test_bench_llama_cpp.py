@@ -110,3 +110,13 @@ def test_llama_cpp_greedy_run_on_the_default_gguf():
   other = peer.run(ids("Name a colour."))
   assert other.tokens != first.tokens
   assert peer.run(ids("What is 2 + 2?")).tokens == first.tokens
+
+
+def test_the_agreement_line_counts_identical_outputs_and_says_where_the_others_differ():
+  records = [dict(method="llama_cpp", identical_to_ar=True),
+             dict(method="llama_cpp", identical_to_ar=False, first_difference=20, top2_gap=0.011),
+             dict(method="llama_cpp", identical_to_ar=False, first_difference=0, top2_gap=0.08),
+             dict(method="hf", identical_to_ar=False, first_difference=1, top2_gap=0.5)]
+  line = bench_main._agreement(records, "llama_cpp")
+  assert line.startswith("llama_cpp: 1/3 outputs identical to our ar's;")
+  assert "0 (0.080), 20 (0.011)" in line

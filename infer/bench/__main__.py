@@ -570,8 +570,10 @@ def _agreement(records, method: str) -> str:
   first leave them."""
   recs = [r for r in records if r["method"] == method and r.get("identical_to_ar") is not None]
   same = sum(bool(r["identical_to_ar"]) for r in recs)
-  firsts = sorted(r["first_difference"] for r in recs if not r["identical_to_ar"])
-  where = f"; the others first differ at new token {firsts}" if firsts else ""
+  firsts = sorted((r["first_difference"], r.get("top2_gap")) for r in recs
+                  if not r["identical_to_ar"])
+  where = ("; the others first differ at new token (our top-2 logit gap there) " + ", ".join(
+      f"{i} ({'-' if gap is None else f'{gap:.3f}'})" for i, gap in firsts)) if firsts else ""
   return (f"{method}: {same}/{len(recs)} outputs identical to our ar's{where} (its own"
           " kernels on the file's quantized weights, ours on them dequantized)")
 
