@@ -238,3 +238,12 @@ def test_bad_confidences_fail_before_the_target_loads():
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert "--confidences takes auto and / or probability" in proc.stderr
+
+
+def test_lookup_methods_are_named_and_follow_their_chain():
+  from infer.bench import methods  # pylint: disable=g-import-not-at-top
+  names = [methods.Ours(method="sd", target=None, schedule=s, lookup=lookup).method_name
+           for s in ("cost", "off") for lookup in ("off", "prompt")]
+  assert names == ["sd", "sd+lookup", "sd/all", "sd/all+lookup"]
+  recs = [_rec("code", m, "d", 10, 1.0) for m in reversed(names)]
+  assert [r["method"] for r in report.summarize(recs) if r["category"] == "code"] == names
