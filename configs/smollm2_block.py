@@ -9,7 +9,7 @@ The shipped drafter (`smollm2-135m-instruct-block`, docs/drafters_smollm2.md):
 
 (or scripts/smollm2_drafters.sh). `ab` is that recipe at the size of the
 training-objective A/B in docs/drafters_smollm2.md (shorter rows and schedule,
-held-out examples measured every 100 steps); its arms are flags
+held-out examples measured every 50 steps); its arms are flags
 (`--config.objective_cfg.kl_weight=1 --config.objective_cfg.hard_weight=0`, ...).
 The recipe without a name is the schedule for accelerators (larger drafter,
 20k steps; step 2: configs/smollm2_block_loop.py), not trained yet.
@@ -60,16 +60,17 @@ def get_config(recipe: str = "") -> ConfigDict:
   _smollm2_10k.apply(c, learning_rate=1e-3, loop=recipe == "cpu10k_loop",
                      loop_learning_rate=3e-4)
   if recipe == "ab":
-    # Equal data and steps for every arm: 512-token rows (32 anchors each: the
-    # same anchor density), 300 steps, the last 64 examples held out and
-    # measured teacher-forced every 100 steps; engine tau after training
-    # (python -m train.evaluate), not during it.
+    # Equal data and steps for every arm, sized to a shared 2-core CPU:
+    # 512-token rows (32 anchors each: the same anchor density), 150 steps,
+    # the last 32 examples held out and measured teacher-forced every 50
+    # steps; engine tau after training (python -m train.evaluate).
     c.data.seq_len = 512
     c.objective_cfg.anchors_per_sequence = 32
-    c.data.heldout_examples = 64
-    c.num_steps = 300
-    c.optim.warmup_steps = 30
+    c.data.heldout_examples = 32
+    c.num_steps = 150
+    c.optim.warmup_steps = 15
+    c.checkpoint.every_steps = 50
     c.eval.every_steps = 0
     c.eval.patience = 0
-    c.eval.heldout_every_steps = 100
+    c.eval.heldout_every_steps = 50
   return c

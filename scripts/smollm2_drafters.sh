@@ -19,8 +19,10 @@
 # tokens stored in the dataset: default 16 when KINDS holds dspark, else 0), PYTHON (default
 # .venv/bin/python), LOOP (1: each run's loop-aware fine-tune follows it; 0: base runs only),
 # TRAIN_ARGS: more flags for every
-# `python -m train` (e.g. "--config.eval.every_steps=0"), and DATASET: a built dataset to train
-# on instead of building the 10k one (e.g. a `--snapshot` of a running build).
+# `python -m train` (e.g. "--config.eval.every_steps=0"; soft targets, which need TOPK > 0:
+# TOPK=16 TRAIN_ARGS="--config.objective_cfg.kl_weight=1 --config.objective_cfg.hard_weight=0.1"),
+# and DATASET: a built dataset to train on instead of building the 10k one (e.g. a `--snapshot`
+# of a running build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
