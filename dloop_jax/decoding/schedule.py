@@ -114,6 +114,8 @@ def choosable_widths(widths: Sequence[int], costs: Sequence[float], *,
   """
   if tolerance < 0:
     raise ValueError(f"tolerance must be >= 0, got {tolerance}.")
+  if tolerance == 0:
+    return tuple(widths)
   kept = [widths[-1]]
   next_cost = costs[-1]
   for w, c in zip(reversed(widths[:-1]), reversed(costs[:-1])):
