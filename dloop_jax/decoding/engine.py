@@ -58,6 +58,7 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
+from dloop_jax import compilation_cache
 from dloop_jax.decoding import arguments
 from dloop_jax.decoding import config as config_lib
 from dloop_jax.decoding import costs as costs_lib
@@ -72,7 +73,6 @@ from dloop_jax.decoding import tree_round
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.config import DecodingConfig
 from dloop_jax.decoding.stats import GenerationOutput, RowStats
-from dloop_jax import compilation_cache
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import cpu_kernels
 from dloop_jax.models import kv_cache as kv_lib

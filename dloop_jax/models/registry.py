@@ -185,7 +185,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
   from dloop_jax.models.gguf_loader import load_gguf, open_gguf
   from dloop_jax.models.hf_loader import load_hf_dir
 
-  dtype, stored = precision(*profiles.precision(profile, dtype=dtype, weights=weights))
+  resolved = profiles.resolve(profile)
+  dtype, stored = precision(*profiles.precision(resolved, dtype=dtype, weights=weights))
   text = os.fspath(source)
   if text in REGISTRY:
     name, path = text, registry_path(text)
@@ -217,5 +218,5 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
         f"The tokenizer in {path!r} has {base_vocab} tokens but the model's vocabulary only"
         f" {config.vocab_size}; they do not belong to the same model.")
   model = Transformer.from_params(config, params, dtype=dtype, weight_dtype=stored, source=path,
-                                 mesh=mesh, cpu_kernels=profiles.resolve(profile).cpu_kernels)
+                                 mesh=mesh, cpu_kernels=resolved.cpu_kernels)
   return LoadedTarget(model=model, config=config, tokenizer=tokenizer, source=path, name=name)

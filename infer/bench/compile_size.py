@@ -63,6 +63,7 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
+  from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import DecodingConfig, engine  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding.costs import DEFAULT_TABLES  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import registry  # pylint: disable=g-import-not-at-top
@@ -78,7 +79,7 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
     if isinstance(options.get("costs"), str):
       options = dict(options, costs=DEFAULT_TABLES[options["costs"]])
     # The product forms the profile's targets are loaded with (`models.cpu_kernels`).
-    cpu_forms = options.get("profile", "cpu") == "cpu"
+    cpu_forms = profiles.resolve(options.get("profile", "cpu")).cpu_kernels
 
     def build(options=options, compute=compute, stored=stored, cpu_forms=cpu_forms):
       target = Transformer(config, rngs=nnx.Rngs(0), dtype=compute, weight_dtype=stored,
