@@ -60,17 +60,18 @@ def get_config(recipe: str = "") -> ConfigDict:
   _smollm2_10k.apply(c, learning_rate=1e-3, loop=recipe == "cpu10k_loop",
                      loop_learning_rate=3e-4)
   if recipe == "ab":
-    # Equal data and steps for every arm, sized to a shared 2-core CPU:
-    # 512-token rows (32 anchors each: the same anchor density), 150 steps,
-    # the last 32 examples held out and measured teacher-forced every 50
-    # steps; engine tau after training (python -m train.evaluate).
+    # Equal data and steps for every arm, sized to a 2-core CPU (about 15
+    # minutes an arm): 512-token rows (32 anchors each: the same anchor
+    # density), 300 steps, the last 128 examples held out and measured
+    # teacher-forced every 100 steps; engine tau after training
+    # (python -m train.evaluate).
     c.data.seq_len = 512
     c.objective_cfg.anchors_per_sequence = 32
-    c.data.heldout_examples = 32
-    c.num_steps = 150
-    c.optim.warmup_steps = 15
-    c.checkpoint.every_steps = 50
+    c.data.heldout_examples = 128
+    c.num_steps = 300
+    c.optim.warmup_steps = 30
+    c.checkpoint.every_steps = 100
     c.eval.every_steps = 0
     c.eval.patience = 0
-    c.eval.heldout_every_steps = 50
+    c.eval.heldout_every_steps = 100
   return c

@@ -83,7 +83,7 @@ def test_multi_stage_share_follows_the_gate(run):
   assert share[float("inf")] == 0.0 and share[float("-inf")] >= 0.5, share
 
 
-def test_dloop_shape_and_fixed_width_reach_generate(run):
+def test_dloop_shape_fixed_width_schedule_and_lookup_reach_generate(run):
   from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
   workdir, *_ = run
   target = trainer_lib.default_build_target(_config().target).model
@@ -103,6 +103,12 @@ def test_dloop_shape_and_fixed_width_reach_generate(run):
   want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode="sd",
                   drafter=drafter, schedule="off", tree_budget=3)
   assert tree["engine_tau_sd"] == want.total.acceptance_length
+  # The τ users get: the scheduler's choice, with prompt-lookup drafts.
+  users = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, modes=("sd",),
+                                 schedule="cost", lookup="prompt")(target, drafter)
+  want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode="sd",
+                  drafter=drafter, schedule="cost", lookup="prompt")
+  assert users["engine_tau_sd"] == want.total.acceptance_length
 
 
 class _Tokenizer:

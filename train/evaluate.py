@@ -8,8 +8,10 @@ teacher-forced held-out metric beside it.
 
 For each drafter (a shipped name, an export directory or a training workdir)
 it runs greedy `generate()` over the benchmark's held-out prompts (math, code,
-chat; the target's chat template) with every draft verified (no scheduler),
-in `sd` and `dloop`, and prints τ = committed tokens per verification round
+chat; the target's chat template) with every draft verified (no scheduler;
+--schedule cost: the scheduler's choice, as `python -m infer` decodes; --lookup
+prompt: with prompt-lookup drafts), in `sd` and `dloop`, and prints
+τ = committed tokens per verification round
 (and the share of dloop's rounds that drafted a second stage):
 the trainer's `engine_tau_*` (`dloop_jax.training.engine_eval`) with more
 prompts. With --heads-off, each head that the drafter has (DSpark's Markov
@@ -71,6 +73,11 @@ def _parse(argv):
                  help="every target forward this many tokens wide (0: as wide as its tokens)")
   p.add_argument("--tree-budget", type=int, default=0,
                  help="draft trees of this many nodes a stage (0: chains; drafters with trees)")
+  p.add_argument("--schedule", choices=("off", "cost"), default="off",
+                 help="off: every draft verified (τ is the drafter's); cost: the scheduler's"
+                      " choice, as python -m infer runs at free widths (τ is what users get)")
+  p.add_argument("--lookup", choices=("off", "prompt"), default="off",
+                 help="prompt: prompt-lookup drafts in the first stage (generate(lookup=))")
   p.add_argument("--data-dir", default="",
                  help="where the ShareGPT held-out prompts are (or are built); '' = default")
   p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
@@ -214,9 +221,12 @@ def evaluate(args: argparse.Namespace, *, target) -> list[dict]:
                  modes=args.modes, gate=args.gate, data_dir=args.data_dir),
             target=target.model, tokenizer=target.tokenizer),
         block_size=args.block_size, max_stages=args.max_stages, fixed_width=args.fixed_width,
-        tree_budget=args.tree_budget)
-    print(f"{len(evaluator.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, every"
-          f" draft verified; modes {', '.join(args.modes)}; {args.weights} weights"
+        tree_budget=args.tree_budget, schedule=args.schedule, lookup=args.lookup)
+    verified = ("every draft verified" if args.schedule == "off" else
+                "the cost scheduler's verification")
+    print(f"{len(evaluator.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {verified}"
+          + (", prompt lookup" if args.lookup == "prompt" else "")
+          + f"; modes {', '.join(args.modes)}; {args.weights} weights"
           + (f", width {args.fixed_width}" if args.fixed_width else "")
           + (f", trees of {args.tree_budget} nodes" if args.tree_budget else ""), flush=True)
   config = _config_file(args.heldout_config) if args.heldout_config else None

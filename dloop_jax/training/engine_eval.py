@@ -42,6 +42,11 @@ class EngineEval:
       its tokens); see `generate(fixed_width=...)`.
     tree_budget: draft trees of this many nodes a stage (0: chains); see
       `generate(tree_budget=...)`.
+    schedule: "off" (every draft verified: τ is the drafter's) or "cost" (the
+      scheduler verifies the prefix that pays, as `generate()` does by
+      default at free widths: τ is what a user gets).
+    lookup: "off" or "prompt" (`generate(lookup=...)`: prompt-lookup drafts in
+      the first stage; greedy chains).
   """
 
   prompts: tuple[tuple[int, ...], ...]
@@ -53,6 +58,8 @@ class EngineEval:
   max_stages: int | None = None
   fixed_width: int = 0
   tree_budget: int = 0
+  schedule: str = "off"
+  lookup: str = "off"
 
   def __call__(self, target: Any, drafter: Any) -> dict[str, float]:
     """τ per mode, dloop's multi-stage share and the seconds, for `drafter` on `target`.
@@ -69,9 +76,9 @@ class EngineEval:
                                ("max_stages", self.max_stages)) if v is not None}
     for mode in self.modes:
       result = generate(target, [list(p) for p in self.prompts], max_new_tokens=self.max_new_tokens,
-                        mode=mode, drafter=drafter, gate=self.gate, schedule="off",
+                        mode=mode, drafter=drafter, gate=self.gate, schedule=self.schedule,
                         stop_tokens=self.stop_tokens, fixed_width=self.fixed_width,
-                        tree_budget=self.tree_budget,
+                        tree_budget=self.tree_budget, lookup=self.lookup,
                         # τ only: a 16-bit target's free widths need not reproduce ar's tokens.
                         allow_inexact=True, **(shape if mode == "dloop" else {}))
       total = result.total
