@@ -70,7 +70,6 @@ def get_config(recipe: str = "") -> ConfigDict:
     c.data.heldout_examples = 128
     c.num_steps = 300
     c.optim.warmup_steps = 30
-    c.checkpoint.every_steps = 100
     c.eval.every_steps = 0
     c.eval.patience = 0
     c.eval.heldout_every_steps = 100

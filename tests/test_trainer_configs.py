@@ -105,8 +105,7 @@ def test_block_ab_recipe_is_the_shipped_one_at_a_smaller_size(monkeypatch):
             for key in shipped[section] if shipped[section][key] != ab[section][key]}
   differ |= {k for k in shipped if not isinstance(shipped[k], dict) and shipped[k] != ab[k]}
   assert differ == {"data.seq_len", "data.heldout_examples", "objective_cfg.anchors_per_sequence",
-                    "num_steps", "optim.warmup_steps", "checkpoint.every_steps",
-                    "eval.every_steps", "eval.patience", "eval.heldout_every_steps"}
+                    "num_steps", "optim.warmup_steps", "eval.every_steps", "eval.patience", "eval.heldout_every_steps"}
   # The same anchor density: one anchor per 16 row positions.
   assert ab["data"]["seq_len"] // ab["objective_cfg"]["anchors_per_sequence"] == (
       shipped["data"]["seq_len"] // shipped["objective_cfg"]["anchors_per_sequence"])
