@@ -73,6 +73,7 @@ def drafters(learnable, kind):
 
 def _generate(target, prompts, **kw):
   kw.setdefault("mode", "dloop")
+  kw.setdefault("lookup", "off")  # the drafter's own drafts
   return generate(target, prompts, max_new_tokens=40, block_size=GAMMA, max_stages=3,
                   schedule="off", **kw)
 

@@ -179,7 +179,10 @@ def test_fixed_width_methods_fit_the_width():
   import types  # pylint: disable=g-import-not-at-top
   from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
 
-  args = bench_main._parse(["--fixed-widths", "5"])
+  # python -m infer's default: the prompt lookup for greedy chains, none when sampling.
+  assert bench_main._parse([]).lookups == ["prompt"]
+  assert bench_main._parse(["--temperature", "0.7"]).lookups == ["off"]
+  args = bench_main._parse(["--fixed-widths", "5", "--lookups", "off"])
   drafter = types.SimpleNamespace(block_size=4, supports_trees=False, name="block")
   got = bench_main._our_methods(args, target=None, drafters=[("block", drafter)], weights="",
                                 modes=["sd", "dloop"], schedules=["off"], tree_schedules=[],
@@ -202,7 +205,8 @@ def test_probability_confidence_rows_only_for_a_learned_confidence_under_the_cos
   import types  # pylint: disable=g-import-not-at-top
   from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
 
-  args = bench_main._parse(["--confidences", "auto,probability", "--tree-budgets", "0,8"])
+  args = bench_main._parse(["--confidences", "auto,probability", "--tree-budgets", "0,8",
+                            "--lookups", "off"])
   dspark = types.SimpleNamespace(block_size=4, supports_trees=True, has_confidence=True,
                                  name="dspark")
   block = types.SimpleNamespace(block_size=4, supports_trees=False, has_confidence=False,

@@ -21,7 +21,8 @@ def drafter(tiny):
 
 def test_one_compile_per_shape(tiny, drafter):
   """Same shapes (other prompts, seed, gate, row limit, stop tokens) reuse the program."""
-  kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX, draft_backoff=0)
+  kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX, draft_backoff=0,
+            lookup="off")  # the gate alone decides the stages
   generate(tiny, [[5, 6, 7], [9, 1, 2, 3, 4]], max_new_tokens=MAX_NEW, gate=-0.5, **kw)
   traces = engine.trace_count()
   again = generate(tiny, [[1, 2], [3, 4, 5, 6, 7, 8, 9]], max_new_tokens=MAX_NEW, gate=-0.5,

@@ -39,7 +39,8 @@ def drafters(tiny):
 
 def _dloop(tiny, prompts, drafter, gate, **kw):
   return generate(tiny, prompts, max_new_tokens=MAX_NEW, mode="dloop", drafter=drafter,
-                  block_size=GAMMA, gate=gate, max_stages=S_MAX, schedule="off", **kw)
+                  block_size=GAMMA, gate=gate, max_stages=S_MAX, schedule="off",
+                  **{"lookup": "off", **kw})  # the gate alone decides the stages
 
 
 def _stages(row) -> int:

@@ -115,7 +115,7 @@ def test_oracle_accepts_everything(tiny, drafters):
   prompts = [[1, 2, 3]]
   out = generate(tiny, prompts, max_new_tokens=1 + 13 * 5, mode="dloop",
                  drafter=drafters["oracle"], block_size=4, gate=-math.inf, max_stages=3,
-                 schedule="off")
+                 schedule="off", lookup="off")
   row = out.rows[0]
   assert row.accepted == row.drafted
   assert row.acceptance_length == 13.0
@@ -124,15 +124,16 @@ def test_oracle_accepts_everything(tiny, drafters):
 
 def test_random_drafter_rarely_accepted(tiny, drafters):
   prompts = [[5, 6, 7], [9]]
+  # The drafter's own drafts (the prompt lookup would supply accepted ones).
   out = generate(tiny, prompts, max_new_tokens=40, mode="sd", drafter=drafters["random"],
-                 block_size=3, schedule="off")
+                 block_size=3, schedule="off", lookup="off")
   assert out.total.acceptance_length < 1.3
 
 
 def test_perturbed_partial_acceptance(tiny, drafters):
   prompts = [[5, 6, 7], [9, 1, 2, 3]]
   out = generate(tiny, prompts, max_new_tokens=40, mode="sd", drafter=drafters["perturbed"],
-                 block_size=3, schedule="off")
+                 block_size=3, schedule="off", lookup="off")
   assert 1.2 < out.total.acceptance_length < 3.5
 
 

@@ -194,8 +194,10 @@ def learnable():
 
 
 def _tau(target, drafter, held, **kw):
-  # Drafter quality: every draft verified, every round drafting (the method as stated).
+  # Drafter quality: every draft verified, every round drafting (the method as stated),
+  # the drafter's own drafts only (no prompt lookup).
   kw.setdefault("schedule", "off")
+  kw.setdefault("lookup", "off")
   out = generate(target, [h["prompt"] for h in held], max_new_tokens=40, drafter=drafter,
                  block_size=GAMMA, **kw)
   return out.total

@@ -94,7 +94,8 @@ def test_dloop_shape_fixed_width_schedule_and_lookup_reach_generate(run):
   got = ev(target, drafter)
   for mode, shape in (("sd", {}), ("dloop", dict(block_size=1, max_stages=2))):
     want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode=mode,
-                    drafter=drafter, gate=float("-inf"), schedule="off", fixed_width=3, **shape)
+                    drafter=drafter, gate=float("-inf"), schedule="off", fixed_width=3,
+                    lookup="off", **shape)
     assert got[f"engine_tau_{mode}"] == want.total.acceptance_length, mode
   # Every dloop round drafts two stages of one while tokens are left.
   assert got["engine_multi_stage_dloop"] >= 0.5

@@ -91,7 +91,10 @@ def _parse(argv):
                  help="FILE[:RECIPE] training config whose objective, objective_cfg,"
                       " data.seq_len and compute_dtype the held-out drafts follow"
                       " ('' = the base config with the export's objective)")
-  p.add_argument("--heldout-batch-size", type=int, default=8, help="held-out rows per forward")
+  p.add_argument("--heldout-batch-size", type=int, default=None,
+                 help="held-out rows per forward (default: --heldout-config's data.batch_size,"
+                      " else 8). The block drafters' anchors are drawn per batch, so the"
+                      " trainer's heldout_* values are reproduced at its batch size")
   p.add_argument("--json", default="", help="also write the rows to this JSON file")
   args = p.parse_args(argv)
   args.drafters = [d for d in args.drafters.split(",") if d]
@@ -240,7 +243,8 @@ def evaluate(args: argparse.Namespace, *, target) -> list[dict]:
       start = time.perf_counter()
       held = heldout_metrics(name, target=target, data=args.heldout_data,
                              examples=args.heldout_examples, config=config,
-                             batch_size=args.heldout_batch_size)
+                             batch_size=args.heldout_batch_size or (
+                                 int(config.data.batch_size) if config is not None else 8))
       held["heldout_s"] = time.perf_counter() - start
     if evaluator is None:
       rows.append(dict(drafter=name, heads_off="", **held))

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from dloop_jax.decoding import arguments
+from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.errors import ConfigError
 
@@ -45,9 +46,10 @@ class DecodingConfig:
       scheduler loses at most this fraction of a round's tokens per cost;
       0: compile every width; `schedule.choosable_widths`).
     sampling: greedy by default.
-    lookup: "off", or "prompt": a row's first stage takes prompt-lookup drafts
-      where the lookup matched and the drafter is unsure (`decoding.lookup`;
-      greedy chains in sd / dloop).
+    lookup: "prompt": a row's first stage takes prompt-lookup drafts where the
+      lookup matched and the drafter is unsure (`decoding.lookup`; greedy
+      chains in sd / dloop); "off"; "auto" (default): "prompt" where it
+      applies (greedy chains of sd / dloop), "off" elsewhere.
     lookup_min_match: the shortest matched suffix (tokens) the lookup stage uses.
     lookup_max_probability: the lookup stage replaces drafts whose first one
       the drafter gives a probability below this.
@@ -67,7 +69,7 @@ class DecodingConfig:
   costs: Any = None
   width_tolerance: float = 0.02
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
-  lookup: str = "off"
+  lookup: str = "auto"
   lookup_min_match: int = 2
   lookup_max_probability: float = 0.5
   profile: str | None = None
@@ -83,13 +85,18 @@ class DecodingConfig:
 
   def resolved(self, *, target, drafter=None) -> "DecodingConfig":
     """The config with the profile's defaults filled in for `target` and `drafter`
-    (`arguments.resolve_shape`): block_size, max_stages, schedule and fixed_width set."""
+    (`arguments.resolve_shape`): block_size, max_stages, schedule and fixed_width set,
+    and lookup "off" or "prompt" (`lookup.resolve`)."""
     shape = arguments.resolve_shape(
         target=target, mode=self.mode, drafter=drafter if self.mode != "ar" else None,
         block_size=self.block_size, max_stages=self.max_stages, schedule=self.schedule,
         fixed_width=self.fixed_width, tree_budget=self.tree_budget, profile=self.profile)
+    lookup = lookup_lib.resolve(self.lookup, mode=self.mode,
+                                greedy=getattr(self.sampling, "greedy", True),
+                                tree_budget=self.tree_budget)
     return dataclasses.replace(self, block_size=shape.block_size, max_stages=shape.max_stages,
-                               schedule=shape.schedule, fixed_width=shape.fixed_width)
+                               schedule=shape.schedule, fixed_width=shape.fixed_width,
+                               lookup=lookup)
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(DecodingConfig))

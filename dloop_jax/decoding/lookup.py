@@ -27,6 +27,9 @@ from dloop_jax.decoding import arguments
 from dloop_jax.errors import ConfigError
 
 LOOKUPS = ("off", "prompt")
+# "auto" (the default): "prompt" where the lookup stage applies (greedy chains
+# of sd / dloop), "off" elsewhere.
+CHOICES = ("auto",) + LOOKUPS
 # The longest suffix searched; shorter ones down to the minimum match follow.
 MAX_NGRAM = 3
 
@@ -132,18 +135,25 @@ def fires(*, proposal: Proposal, first_logprob: jax.Array, drafting: jax.Array,
   return drafting & (proposal.match >= min_match) & (p1 < max_probability)
 
 
+def resolve(lookup: str, *, mode: str, greedy: bool, tree_budget: int) -> str:
+  """"auto" -> "prompt" for greedy chains of sd / dloop, else "off"; others as given."""
+  if lookup != "auto":
+    return lookup
+  return "prompt" if (mode != "ar" and greedy and not tree_budget) else "off"
+
+
 def validate(*, lookup, min_match, max_probability, mode: str, greedy: bool,
              tree_budget: int) -> None:
   """Raises ConfigError for lookup options `generate()` cannot run."""
-  if lookup not in LOOKUPS:
-    raise ConfigError(f"lookup must be one of {LOOKUPS}, got {lookup!r}.")
+  if lookup not in CHOICES:
+    raise ConfigError(f"lookup must be one of {CHOICES}, got {lookup!r}.")
   if not (arguments.is_int(min_match) and 1 <= min_match <= MAX_NGRAM):
     raise ConfigError(f"lookup_min_match must be an int in 1..{MAX_NGRAM}, got {min_match!r}.")
   if (isinstance(max_probability, bool) or not isinstance(max_probability, (int, float))
       or not 0.0 <= max_probability <= 1.0):
     raise ConfigError(f"lookup_max_probability must be a number in [0, 1], got"
                       f" {max_probability!r}.")
-  if lookup == "off":
+  if lookup != "prompt":
     return
   if mode == "ar":
     raise ConfigError("lookup='prompt' extends a drafter's first stage: it needs mode 'sd' or"

@@ -103,9 +103,10 @@ def _parse(argv):
                       " its top draft probabilities) and / or probability (the top draft"
                       " probabilities always: methods sd~prob, dloop~prob, run for drafters"
                       " with a learned confidence only)")
-  p.add_argument("--lookups", type=_names, default=["off"],
+  p.add_argument("--lookups", type=_names, default=None,
                  help="off and / or prompt: chains of sd / dloop without and with the"
-                      " prompt-lookup stage (methods named ...+lookup; greedy only)")
+                      " prompt-lookup stage (methods named ...+lookup; greedy only); default:"
+                      " python -m infer's (prompt when greedy, off when sampling)")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest drafting pause after fruitless rounds (default: 64 with schedule"
                       " cost, 0 with off; the gate sweep always drafts)")
@@ -144,7 +145,10 @@ def _parse(argv):
                  help="prompts per category of the main run reused by the sweep")
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.lookups is None:  # python -m infer's default (lookup="auto")
+    args.lookups = ["prompt"] if args.temperature == 0 else ["off"]
+  return args
 
 
 def _profile_defaults(args) -> None:

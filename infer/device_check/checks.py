@@ -137,7 +137,8 @@ def run_plans(*, kind: str, shape: Shape, drafter) -> dict[str, dict]:
     "tree"   ar, dloop with a draft tree of `shape.tree_budget` nodes per stage.
   """
   g, s = shape.block_size, shape.max_stages
-  spec = dict(drafter=drafter, block_size=g)
+  # The drafter's own stages (the prompt lookup would end a row's round after its first).
+  spec = dict(drafter=drafter, block_size=g, lookup="off")
   if kind == "fixed":
     w = dict(fixed_width=shape.width)
     return {"ar": dict(mode="ar", **w),
