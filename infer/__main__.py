@@ -9,7 +9,7 @@
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
-    python -m infer --lookup off        # no prompt-lookup drafts (default: where the drafter is unsure)
+    python -m infer --lookup auto       # prompt-lookup drafts where the drafter is unsure (greedy)
     python -m infer --mode dloop --drafter PATH --tree-budget 8   # top-8 draft trees per stage
     python -m infer --dtype bfloat16    # bf16 compute (accelerators)
     python -m infer --mesh data=2,tensor=4 --prompts-file prompts.jsonl   # 8 devices
@@ -99,12 +99,12 @@ def _parse(argv):
                  help="B > 0: draft a tree of the B best prefixes per stage (block drafter:"
                       " DDTree; EAGLE-3: dynamic tree) and verify it in one target forward;"
                       " 0: chains")
-  p.add_argument("--lookup", choices=("auto", "off", "prompt"), default="auto",
+  p.add_argument("--lookup", choices=("auto", "off", "prompt"), default="off",
                  help="prompt: where a row's newest 2-3 tokens occurred earlier in its prompt or"
                       " answer and the drafter's first draft has probability < 0.5, verify the"
                       " tokens that followed them instead of the drafter's drafts (greedy chains"
-                      " in sd / dloop; docs/decoding.md); auto (default): prompt where it"
-                      " applies, off elsewhere")
+                      " in sd / dloop; docs/decoding.md); auto: prompt where it applies, off"
+                      " elsewhere (default: off)")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest pause (rounds) of drafting after fruitless rounds (default: 64"
                       " with --schedule cost, else 0)")

@@ -70,9 +70,9 @@ def test_benchmark_writes_results_table_and_plots(bench):
     assert all(k in row for k in REQUIRED), row
   keys = {(r["category"], r["method"]) for r in rows}
   for category in ("math", "overall"):
-    for method in ("ar", "dloop+lookup"):  # python -m infer's default: the prompt lookup on
+    for method in ("ar", "dloop"):
       assert (category, method) in keys
-  assert ("overall", "sd+lookup") not in keys  # --modes dloop
+  assert ("overall", "sd") not in keys  # --modes dloop
   overall = {(r["method"], r["drafter"]): r for r in rows if r["category"] == "overall"}
   ar = overall["ar", ""]
   assert result["config"]["cost_table"]["costs"]["1"] > 0
@@ -94,7 +94,7 @@ def test_benchmark_writes_results_table_and_plots(bench):
   for name in ("results.md", "speedup.png", "gate_sweep.png"):
     assert (out / name).stat().st_size > 0
   assert not (out / "trees.png").exists()  # chains only: no tree plot
-  assert "| overall | dloop+lookup |" in (out / "results.md").read_text()
+  assert "| overall | dloop |" in (out / "results.md").read_text()
 
 
 def test_shipped_drafters_are_lossless_and_accepted_on_the_real_model(bench):

@@ -27,7 +27,7 @@ from dloop_jax.decoding import arguments
 from dloop_jax.errors import ConfigError
 
 LOOKUPS = ("off", "prompt")
-# "auto" (the default): "prompt" where the lookup stage applies (greedy chains
+# "auto": "prompt" where the lookup stage applies (greedy chains
 # of sd / dloop), "off" elsewhere.
 CHOICES = ("auto",) + LOOKUPS
 # The longest suffix searched; shorter ones down to the minimum match follow.

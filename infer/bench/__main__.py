@@ -106,7 +106,7 @@ def _parse(argv):
   p.add_argument("--lookups", type=_names, default=None,
                  help="off and / or prompt: chains of sd / dloop without and with the"
                       " prompt-lookup stage (methods named ...+lookup; greedy only); default:"
-                      " python -m infer's (prompt when greedy, off when sampling)")
+                      " python -m infer's (off)")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest drafting pause after fruitless rounds (default: 64 with schedule"
                       " cost, 0 with off; the gate sweep always drafts)")
@@ -146,8 +146,8 @@ def _parse(argv):
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
   args = p.parse_args(argv)
-  if args.lookups is None:  # python -m infer's default (lookup="auto")
-    args.lookups = ["prompt"] if args.temperature == 0 else ["off"]
+  if args.lookups is None:  # python -m infer's default (lookup="off")
+    args.lookups = ["off"]
   return args
 
 
