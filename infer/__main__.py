@@ -223,7 +223,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
                schedule=out.schedule, tree_budget=args.tree_budget or None,
                drafted=row.drafted,
                verified=row.verified, plain_rounds=row.plain_rounds,
-               lookup_rounds=row.lookup_rounds if mode != "ar" else None,
+               lookup_rounds=row.lookup_rounds if args.lookup != "off" else None,
                dtype=dtype, weights=weights, fixed_width=fixed_width,
                mesh=args.mesh)
     print(json.dumps(rec), flush=True)
@@ -235,7 +235,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
           f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
           + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
              f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else "")
-          + (f", {row.lookup_rounds} lookup rounds" if mode != "ar" else ""),
+          + (f", {row.lookup_rounds} lookup rounds" if args.lookup != "off" else ""),
           file=sys.stderr)
 
 

@@ -103,7 +103,7 @@ def _parse(argv):
                       " its top draft probabilities) and / or probability (the top draft"
                       " probabilities always: methods sd~prob, dloop~prob, run for drafters"
                       " with a learned confidence only)")
-  p.add_argument("--lookups", type=_names, default=None,
+  p.add_argument("--lookups", type=_names, default=["off"],
                  help="off and / or prompt: chains of sd / dloop without and with the"
                       " prompt-lookup stage (methods named ...+lookup; greedy only); default:"
                       " python -m infer's (off)")
@@ -145,10 +145,7 @@ def _parse(argv):
                  help="prompts per category of the main run reused by the sweep")
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
-  args = p.parse_args(argv)
-  if args.lookups is None:  # python -m infer's default (lookup="off")
-    args.lookups = ["off"]
-  return args
+  return p.parse_args(argv)
 
 
 def _profile_defaults(args) -> None:
