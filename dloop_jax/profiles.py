@@ -8,7 +8,7 @@ being baked into shared code:
 
     profile  compute   weights                  a 16-bit target's forwards
     cpu      float32   bf16 where it makes this 5 tokens wide (dloop: 2 stages of 2)
-                       CPU's one-token step
+                       CPU's 5-token forward
                        cheaper, else f32
     gpu      bfloat16  bf16                     16 tokens wide (dloop: up to 3 stages)
     tpu      bfloat16  bf16                     16 tokens wide
@@ -20,13 +20,16 @@ XLA:CPU's forms, the accelerator profiles in the standard one
 
 Why (docs/decoding.md, "Profiles"): a fixed width pays where a forward of a
 few tokens costs about what a one-token step costs. On accelerators that holds
-for widths of tens of tokens. On CPUs it holds for bf16 weights only where the
-CPU multiplies bf16 natively at matrix speed (AMX); elsewhere a bf16 one-token
-step is slower than an f32 one, and f32 weights at free widths with the cost
-scheduler are faster. So the `cpu` profile takes the storage whose one-token
-step this machine measured cheaper (`python -m infer.costs --weights both`
-records it, `record_cpu_weights`); until measured, the AMX flag decides.
-`--weights` / `--profile` override the choice.
+for widths of tens of tokens. On CPUs it holds for bf16 weights where the
+CPU multiplies bf16 at matrix speed. With Intel AMX a bf16 forward is cheaper
+than an f32 one at every width. With AVX-512 BF16 and no AMX (AMD EPYC) a bf16
+one-token step is slower than an f32 one, but a 5-token forward is cheaper
+(the f32 forward's cost grows with its width, the bf16 one's hardly): there the
+speculative rounds, which verify 5 tokens, pay for the slower plain steps. So
+the `cpu` profile takes the storage whose forward at the fixed width this
+machine measured cheaper (`python -m infer.costs --weights both` records it,
+`record_cpu_weights`); until measured, the AMX flag decides. `--weights` /
+`--profile` override the choice.
 
 Every profile runs on every backend, so the accelerator code paths are tested
 on CPU (`generate(profile="gpu")`, `python -m infer --profile gpu`).
@@ -101,9 +104,9 @@ def _cpu_profile() -> Profile:
   measured = measured_cpu_weights()
   if measured is not None:
     weights = measured["weights"]
-    steps = measured["step_cost"]
-    why = (f"measured on this CPU (python -m infer.costs --weights both): a one-token step"
-           f" costs {steps['bf16']:.3g} with bf16 weights, {steps['f32']:.3g} with f32: ")
+    wide = measured["width_cost"]
+    why = (f"measured on this CPU (python -m infer.costs --weights both): a {CPU_FIXED_WIDTH}-token"
+           f" forward costs {wide['bf16']:.3g} with bf16 weights, {wide['f32']:.3g} with f32: ")
   else:
     weights = "bf16" if cpu_has_amx() else "f32"
     why = ("not measured on this CPU (python -m infer.costs --weights both measures it):"
@@ -131,36 +134,47 @@ def _this_cpu() -> dict:
               amx_bf16=cpu_has_amx(), jax=jax.__version__)
 
 
-def record_cpu_weights(step_cost: dict[str, float], *, directory: str | None = None) -> str:
-  """Records which weight storage makes this CPU's one-token step cheaper; returns the file.
+def record_cpu_weights(step_cost: dict[str, float], *, width_cost: dict[str, float],
+                       directory: str | None = None) -> str:
+  """Records which weight storage makes this CPU's speculative rounds cheaper; returns the file.
+
+  The choice is the storage whose `CPU_FIXED_WIDTH`-token forward costs less:
+  a 16-bit target runs every forward that wide (`Profile.fixed_width`), and an
+  f32 one verifies up to that many tokens a round. The one-token costs are
+  kept beside it, for the record.
 
   Args:
     step_cost: {"f32": cost, "bf16": cost} of a one-token target step (any
       unit, the same for both: `decoding.costs` tables at width 1).
+    width_cost: the same at width `CPU_FIXED_WIDTH`.
   """
-  if set(step_cost) != {"f32", "bf16"} or not all(c > 0 for c in step_cost.values()):
-    raise ConfigError(f"step_cost needs positive 'f32' and 'bf16' costs, got {step_cost}.")
-  weights = "bf16" if step_cost["bf16"] < step_cost["f32"] else "f32"
+  for name, costs in (("step_cost", step_cost), ("width_cost", width_cost)):
+    if set(costs) != {"f32", "bf16"} or not all(c > 0 for c in costs.values()):
+      raise ConfigError(f"{name} needs positive 'f32' and 'bf16' costs, got {costs}.")
+  weights = "bf16" if width_cost["bf16"] < width_cost["f32"] else "f32"
   path = os.path.join(directory or cache_dir(), CPU_WEIGHTS_FILE)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
-    json.dump(dict(machine=_this_cpu(), weights=weights,
-                   step_cost={k: float(v) for k, v in step_cost.items()}), f, indent=1)
+    json.dump(dict(machine=_this_cpu(), weights=weights, width=CPU_FIXED_WIDTH,
+                   step_cost={k: float(v) for k, v in step_cost.items()},
+                   width_cost={k: float(v) for k, v in width_cost.items()}), f, indent=1)
   os.replace(tmp, path)  # never a half-written file
   return path
 
 
 def measured_cpu_weights(*, directory: str | None = None) -> dict | None:
-  """The choice `record_cpu_weights` made on this machine (None: none, damaged, or made on
-  another CPU or JAX version)."""
+  """The choice `record_cpu_weights` made on this machine (None: none, damaged, made on
+  another CPU or JAX version, or by an older rule)."""
   path = os.path.join(directory or cache_dir(), CPU_WEIGHTS_FILE)
   try:
     with open(path) as f:
       record = json.load(f)
-    if record["machine"] != _this_cpu() or record["weights"] not in ("f32", "bf16"):
+    if (record["machine"] != _this_cpu() or record["weights"] not in ("f32", "bf16")
+        or record["width"] != CPU_FIXED_WIDTH):
       return None
-    float(record["step_cost"]["f32"]), float(record["step_cost"]["bf16"])
+    for costs in (record["step_cost"], record["width_cost"]):
+      float(costs["f32"]), float(costs["bf16"])
     return record
   except (OSError, ValueError, KeyError, TypeError):
     return None

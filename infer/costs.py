@@ -6,6 +6,7 @@
     python -m infer.costs --widths 1,2,3,5,9,13,17,21   # measure these widths
     python -m infer.costs --weights both                # f32 and bf16 tables, and which
                                                         # storage the cpu profile takes here
+                                                        # (the cheaper 5-token forward)
 
 The table is cached under $DLOOP_CACHE_DIR/costs/ (default ~/.cache/dloop_jax/costs/),
 keyed by target, weight dtypes, jax version, device and batch size; generate(),
@@ -28,7 +29,8 @@ def _parse(argv):
   p.add_argument("--weights", choices=("f32", "bf16", "both"), default="f32",
                  help="storage of the target's weight matrices (each has its own table);"
                       " 'both' measures the two and records, for the cpu profile, the one"
-                      " whose one-token step is cheaper on this machine")
+                      " whose forward at the cpu profile's fixed width (5 tokens) is cheaper"
+                      " on this machine")
   p.add_argument("--cache-length", type=int, default=None,
                  help="measure (and print, not cache) at this many filled cache slots")
   p.add_argument("--recalibrate", action="store_true", help="measure even if cached")
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
     if args.weights == "both" and (args.cache_length is not None or args.save):
       raise DLoopError("--weights both measures the cached tables; use --weights f32 or bf16"
                        " with --cache-length / --save.")
-    step_cost = {}
+    step_cost, width_cost = {}, {}
     for weights in (("f32", "bf16") if args.weights == "both" else (args.weights,)):
       # CPU forms on a CPU: the tables the cpu profile's targets will read.
       target = load_target(args.target, weights=weights)
@@ -71,11 +73,14 @@ def main(argv=None) -> int:
             f" jax {key.get('jax', '?')}")
       print(table.format())
       step_cost[weights] = table.costs[1]
+      width_cost[weights] = float(table.at([profiles.CPU_FIXED_WIDTH])[0])
       if args.save:
         print(f"saved to {table.save(args.save)}", file=sys.stderr)
     if args.weights == "both":
-      path = profiles.record_cpu_weights(step_cost)
-      print(f"one-token step: f32 {step_cost['f32']:.3g}, bf16 {step_cost['bf16']:.3g}:"
+      path = profiles.record_cpu_weights(step_cost, width_cost=width_cost)
+      w = profiles.CPU_FIXED_WIDTH
+      print(f"one-token step: f32 {step_cost['f32']:.3g}, bf16 {step_cost['bf16']:.3g};"
+            f" {w}-token forward: f32 {width_cost['f32']:.3g}, bf16 {width_cost['bf16']:.3g}:"
             f" the cpu profile takes {profiles.resolve('cpu').weights} weights on this machine"
             f" (recorded in {path})")
   except (DLoopError, OSError, ValueError) as e:

@@ -48,12 +48,13 @@ def drafters(tiny):
   return _drafters(tiny)
 
 
-# Every shape with a batch of rows of different lengths, and three of them with one row.
-SHAPES = [(1, 1), (1, 3), (3, 2), (4, 3), (3, 1), (4, 2)]
+# Every shape with a batch of rows of different lengths, and two of them with one row
+# (each shape and batch size is programs of its own: compiling them is most of the time).
+SHAPES = [(1, 1), (1, 3), (3, 2), (4, 3)]
 
 
 @pytest.mark.parametrize("gamma,max_stages,batch",
-                         [(g, s, 3) for g, s in SHAPES] + [(1, 1, 1), (3, 2, 1), (4, 3, 1)])
+                         [(g, s, 3) for g, s in SHAPES] + [(1, 1, 1), (3, 2, 1)])
 def test_greedy_lossless(tiny, drafters, gamma, max_stages, batch):
   rng = np.random.default_rng(gamma * 100 + max_stages * 10 + batch)
   # A length that is not a multiple of the block so the limit falls inside one.

@@ -90,12 +90,34 @@ def test_lookup_is_lossless_and_fires(tiny, batch):
         assert_same_or_near_tie(tiny, p, want, got)
       for row in out.rows:
         assert row.lookup_rounds > 0, (mode, seed)
-        # A lookup round drafts one stage (at most gamma drafts).
+        # A lookup round drafts one stage (then proposes at most S_max * gamma).
         assert row.lookup_rounds <= row.stage_histogram[1], (mode, seed)
       accepted += out.total.accepted
   # The random drafter's own drafts are (almost) never accepted; the
   # lookup's are, where the answer repeats.
   assert accepted >= 3 * batch
+
+
+def test_dloop_lookup_round_fills_the_whole_draft_width(tiny):
+  # With g = +inf dloop's drafter rounds draft one stage (gamma = 3 drafts);
+  # a lookup round proposes up to the round's draft width, S_max * gamma = 6
+  # (sd's: gamma). So dloop drafts more than gamma a round on average only
+  # where lookup rounds proposed more than gamma tokens.
+  drafter = drafter_fixtures.TargetDrafter(tiny, target_weight=0.0, noise_scale=0.3, seed=4)
+  prompts = [list(p) for p in _REPEATING]
+  ar = generate(tiny, prompts, max_new_tokens=24)
+  common = dict(max_new_tokens=24, drafter=drafter, block_size=3, max_stages=2, gate=np.inf,
+                schedule="off", draft_backoff=0, lookup="prompt")
+  drafted = {}
+  for mode in ("sd", "dloop"):
+    out = generate(tiny, prompts, mode=mode, **common)
+    for p, want, got in zip(prompts, ar.tokens, out.tokens):
+      assert_same_or_near_tie(tiny, p, want, got)
+    assert all(sum(row.stage_histogram[2:]) == 0 for row in out.rows), mode  # one stage a round
+    assert all(row.lookup_rounds > 0 for row in out.rows), mode
+    drafted[mode] = [row.drafted - 3 * row.rounds for row in out.rows]
+  assert max(drafted["sd"]) <= 0
+  assert max(drafted["dloop"]) > 0, drafted
 
 
 def test_probability_bar(tiny):

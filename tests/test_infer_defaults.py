@@ -95,12 +95,17 @@ def test_the_cpu_profile_takes_the_storage_this_machine_measured_faster(monkeypa
   monkeypatch.setenv("DLOOP_CACHE_DIR", str(tmp_path))
   assert profiles.measured_cpu_weights() is None  # not measured: the AMX flag decides
   assert "not measured" in profiles.resolve("cpu").why
-  # An AMD EPYC without AMX measured 32.5 against 25.0 ms, Intel AMX machines 0.69x.
-  for step_cost, want in [({"f32": 25.0, "bf16": 32.5}, "f32"),
-                          ({"f32": 25.0, "bf16": 17.3}, "bf16")]:
-    path = profiles.record_cpu_weights(step_cost)
+  # The 5-token forward decides, not the one-token step: an AMD EPYC without
+  # AMX measured f32 28.6 / bf16 34.5 ms at width 1 and 44.0 / 37.8 ms at
+  # width 5; Intel AMX machines bf16 cheaper at both.
+  for step_cost, width_cost, want in [
+      ({"f32": 28.6, "bf16": 34.5}, {"f32": 44.0, "bf16": 37.8}, "bf16"),
+      ({"f32": 25.0, "bf16": 32.5}, {"f32": 30.0, "bf16": 36.0}, "f32"),
+      ({"f32": 25.0, "bf16": 17.3}, {"f32": 40.0, "bf16": 19.0}, "bf16")]:
+    path = profiles.record_cpu_weights(step_cost, width_cost=width_cost)
     cpu = profiles.resolve("cpu")
     assert cpu.weights == want and "measured on this CPU" in cpu.why
+    assert f"{width_cost['bf16']:.3g}" in cpu.why
     assert profiles.precision("cpu") == ("float32", want)
   # A record of another machine (or a damaged one) is not this machine's measurement.
   with open(path) as f:
@@ -114,7 +119,15 @@ def test_the_cpu_profile_takes_the_storage_this_machine_measured_faster(monkeypa
   assert profiles.measured_cpu_weights() is None
   assert profiles.resolve("cpu").weights == ("bf16" if profiles.cpu_has_amx() else "f32")
   with pytest.raises(ConfigError, match="positive"):
-    profiles.record_cpu_weights({"f32": 1.0})
+    profiles.record_cpu_weights({"f32": 1.0}, width_cost={"f32": 1.0, "bf16": 1.0})
+  with pytest.raises(ConfigError, match="width_cost needs positive"):
+    profiles.record_cpu_weights({"f32": 1.0, "bf16": 1.0}, width_cost={"f32": 0.0, "bf16": 1.0})
+  # A record of the older rule (one-token steps only) is measured again.
+  record = dict(machine=profiles._this_cpu(), weights="f32",
+                step_cost={"f32": 1.0, "bf16": 2.0})
+  with open(path, "w") as f:
+    json.dump(record, f)
+  assert profiles.measured_cpu_weights() is None
 
 
 @pytest.mark.parametrize("profile,given,want", [

@@ -12,7 +12,11 @@ test process runs them, in this order.
 The benchmark also checks every dloop output against ar's: this is the shipped drafters'
 losslessness on the real model (sd is dloop with one stage a round: the sweep's g = +inf
 below and the notebook's; every mode, shape, gate and schedule on tiny targets in
-tests/test_engine_*.py).
+tests/test_engine_*.py). Each drafter is a program of its own that takes about half a minute
+to compile with the flags users get, so the default run checks the default drafter (block)
+and EAGLE-3; DLOOP_TEST_EVERY_SHIPPED_DRAFTER=1 adds Domino and DSpark (their kinds are
+checked on tiny targets in tests/test_domino.py, tests/test_dspark.py and
+tests/test_lossless_matrix.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 SHIPPED = ("smollm2-135m-instruct-block", "smollm2-135m-instruct-domino",
            "smollm2-135m-instruct-dspark", "smollm2-135m-instruct-eagle3")  # best first
+CHECKED = SHIPPED if os.environ.get("DLOOP_TEST_EVERY_SHIPPED_DRAFTER") == "1" else (
+    "smollm2-135m-instruct-block", "smollm2-135m-instruct-eagle3")
 MAX_NEW = 24  # the notebook's MAX_NEW_TOKENS: the same cache size, the same programs
 REQUIRED = ("category", "method", "drafter", "tokens_per_second", "speedup_vs_ar",
             "acceptance_length", "identical_to_ar")
@@ -50,10 +56,11 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-  """The benchmark on the first two math prompts with every shipped drafter: (results, dir)."""
+  """The benchmark on the first two math prompts with the checked drafters: (results, dir)."""
   out = tmp_path_factory.mktemp("bench")
   proc = subprocess.run(
-      [sys.executable, "-m", "infer.bench", "--no-peers", "--categories", "math",
+      [sys.executable, "-m", "infer.bench", "--no-peers", "--drafters", ",".join(CHECKED),
+       "--categories", "math",
        "--prompts-per-category", "2", "--max-new-tokens", str(MAX_NEW), "--modes", "dloop",
        "--weights", "f32", "--fixed-widths", "",
        "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf", "--sweep-max-stages=3",
@@ -101,15 +108,15 @@ def test_shipped_drafters_are_lossless_and_accepted_on_the_real_model(bench):
   """dloop with each shipped drafter reproduces ar's greedy tokens on both prompts."""
   result, _ = bench
   records = result["records"]
-  assert {r["drafter"] for r in records if r["drafter"]} == set(SHIPPED)
+  assert {r["drafter"] for r in records if r["drafter"]} == set(CHECKED)
   assert {r["prompt_id"] for r in records} == {"gsm8k/test/0", "math500/test/0"}
   # ar, then dloop with each drafter, on each prompt.
-  assert len(records) == 2 * (1 + len(SHIPPED))
+  assert len(records) == 2 * (1 + len(CHECKED))
   for rec in records:
     assert rec["identical_to_ar"] or rec["lossless_vs_ar"], {k: rec[k] for k in (
         "prompt_id", "method", "drafter", "identical_to_ar", "lossless_vs_ar")}
   # The sweep's rounds all draft (no back-off): a trained drafter gets some drafts accepted.
-  for name in SHIPPED:
+  for name in CHECKED:
     best = max(p["acceptance_length"] for p in result["sweep"] if p["drafter"] == name)
     assert best > 1.0, name
 

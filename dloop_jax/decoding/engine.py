@@ -406,8 +406,10 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     if s.lookup:
       history, lengths = lookup_lib.committed_history(
           prompts=prompts, prompt_lengths=prompt_lengths, out=lp.out, num_new=lp.num_new)
-      proposal = lookup_lib.propose(history=history, lengths=lengths, block_size=gamma,
-                                    min_match=s.lookup_min_match)
+      # As many tokens as the round drafts at most: dloop's S_max stages of
+      # gamma, so that a lookup round verifies as wide as a drafted one.
+      proposal = lookup_lib.propose(history=history, lengths=lengths,
+                                    block_size=s.draft_width, min_match=s.lookup_min_match)
 
     def stage_cond(c):
       stage, _, _, _, _, _, going, _ = c
@@ -450,12 +452,12 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
          draft_policy.wants_draft(lp.backoff, active=active), jnp.zeros((b,), bool)))
     num_drafts = num_stages * gamma
     if s.lookup:
-      # The lookup's drafts replace the first stage's; a short proposal is
-      # fewer drafts. The scheduler takes them as certain: the rule that fires
-      # the lookup was measured with every lookup draft verified.
-      drafts = drafts.at[:, :gamma].set(
-          jnp.where(looked_up[:, None], proposal.tokens, drafts[:, :gamma]))
-      conf = conf.at[:, :gamma].set(jnp.where(looked_up[:, None], 1.0, conf[:, :gamma]))
+      # The lookup's drafts replace the drafter's, up to the round's whole
+      # draft width; a short proposal is fewer drafts. The scheduler takes
+      # them as certain: the rule that fires the lookup was measured with
+      # every lookup draft verified.
+      drafts = jnp.where(looked_up[:, None], proposal.tokens, drafts)
+      conf = jnp.where(looked_up[:, None], 1.0, conf)
       num_drafts = jnp.where(looked_up, proposal.num_tokens, num_drafts)
       lp = lp.replace(stats=lp.stats.replace(
           lookup_rounds=lp.stats.lookup_rounds + looked_up.astype(jnp.int32)))

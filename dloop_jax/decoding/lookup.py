@@ -11,10 +11,12 @@ The engine's lookup stage (`generate(lookup="prompt")`) runs the drafter's
 first stage as usual and, per row, replaces its drafts by the proposal when
 the lookup matched at least `min_match` tokens and the drafter's first draft
 has probability below `max_probability` (a rule fixed before measuring:
-docs/drafters.md, draft sources that need no training). Such a row then
-verifies that stage only: later stages would continue the drafter's own
-drafts, not the proposal. Verification is unchanged, so greedy outputs stay
-`ar`'s.
+docs/drafters.md, draft sources that need no training). Such a row drafts no
+further stage (they would continue the drafter's own drafts, not the
+proposal) and verifies the proposal instead, up to the round's whole draft
+width: gamma tokens in sd, S_max * gamma in dloop, so that at a fixed width
+(2 stages of 2 at W = 5) a lookup round verifies as many drafts in either
+mode. Verification is unchanged, so greedy outputs stay `ar`'s.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ class Proposal:
   """One lookup per row.
 
   Attributes:
-    tokens: [B, gamma] the proposed drafts (entries from `num_tokens` on are
+    tokens: [B, block_size] the proposed drafts (entries from `num_tokens` on are
       padding).
-    num_tokens: [B] int32 proposed tokens, 0 without a match; fewer than gamma
+    num_tokens: [B] int32 proposed tokens, 0 without a match; fewer than block_size
       where the occurrence ends near the newest token (only committed tokens
       are proposed).
     match: [B] int32 length of the matched suffix, 0 without a match.
@@ -65,7 +67,7 @@ def propose(*, history: jax.Array, lengths: jax.Array, block_size: int,
     history: [B, T] committed tokens of each row (prompt, then generated);
       entries at or past `lengths[b]` are ignored.
     lengths: [B] int32 committed tokens per row.
-    block_size: gamma, the drafts proposed at most.
+    block_size: the drafts proposed at most (the round's draft width).
     min_match: the shortest suffix searched (1 .. `MAX_NGRAM`).
 
   Returns:
