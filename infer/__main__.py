@@ -9,7 +9,7 @@
     python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
-    python -m infer --lookup auto       # prompt-lookup drafts where the drafter is unsure (greedy)
+    python -m infer --lookup off        # no prompt-lookup drafts (default: where the drafter is unsure)
     python -m infer --mode dloop --drafter PATH --tree-budget 8   # top-8 draft trees per stage
     python -m infer --dtype bfloat16    # bf16 compute (accelerators)
     python -m infer --mesh data=2,tensor=4 --prompts-file prompts.jsonl   # 8 devices
@@ -99,12 +99,12 @@ def _parse(argv):
                  help="B > 0: draft a tree of the B best prefixes per stage (block drafter:"
                       " DDTree; EAGLE-3: dynamic tree) and verify it in one target forward;"
                       " 0: chains")
-  p.add_argument("--lookup", choices=("auto", "off", "prompt"), default="off",
+  p.add_argument("--lookup", choices=("auto", "off", "prompt"), default="auto",
                  help="prompt: where a row's newest 2-3 tokens occurred earlier in its prompt or"
                       " answer and the drafter's first draft has probability < 0.5, verify the"
                       " tokens that followed them instead of the drafter's drafts (greedy chains"
-                      " in sd / dloop; docs/decoding.md); auto: prompt where it applies, off"
-                      " elsewhere (default: off)")
+                      " in sd / dloop; docs/decoding.md); auto (default): prompt where it"
+                      " applies, off elsewhere")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest pause (rounds) of drafting after fruitless rounds (default: 64"
                       " with --schedule cost, else 0)")
@@ -201,6 +201,13 @@ def main(argv=None) -> int:
   return 0
 
 
+def _looks_up(args, mode: str) -> bool:
+  """Whether the run had the prompt-lookup stage (--lookup, "auto" resolved)."""
+  from dloop_jax.decoding import lookup  # pylint: disable=g-import-not-at-top
+  return lookup.resolve(args.lookup, mode=mode, greedy=args.temperature == 0,
+                        tree_budget=args.tree_budget) == "prompt"
+
+
 def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
   """Prints one prompt's answer (and its statistics) from a `GenerationOutput` row."""
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -223,7 +230,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
                schedule=out.schedule, tree_budget=args.tree_budget or None,
                drafted=row.drafted,
                verified=row.verified, plain_rounds=row.plain_rounds,
-               lookup_rounds=row.lookup_rounds if args.lookup != "off" else None,
+               lookup_rounds=row.lookup_rounds if _looks_up(args, mode) else None,
                dtype=dtype, weights=weights, fixed_width=fixed_width,
                mesh=args.mesh)
     print(json.dumps(rec), flush=True)
@@ -235,7 +242,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
           f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
           + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
              f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else "")
-          + (f", {row.lookup_rounds} lookup rounds" if args.lookup != "off" else ""),
+          + (f", {row.lookup_rounds} lookup rounds" if _looks_up(args, mode) else ""),
           file=sys.stderr)
 
 

@@ -159,23 +159,23 @@ def test_auto_resolves_to_prompt_for_greedy_chains_only(tiny):
   assert resolve("auto", mode="sd", greedy=False, tree_budget=0) == "off"
   assert resolve("auto", mode="dloop", greedy=True, tree_budget=4) == "off"
   assert resolve("off", mode="sd", greedy=True, tree_budget=0) == "off"
-  # Resolving "auto" for a target and drafter picks the stage.
-  assert DecodingConfig().lookup == "off"
-  config = DecodingConfig(mode="sd", lookup="auto")
+  # The default config is "auto"; resolving it for a target and drafter picks the stage.
+  config = DecodingConfig(mode="sd")
+  assert config.lookup == "auto"
   assert config.resolved(target=tiny, drafter=drafter).lookup == "prompt"
   sampled = config.replace(sampling=SamplingConfig(temperature=1.0))
   assert sampled.resolved(target=tiny, drafter=drafter).lookup == "off"
-  assert DecodingConfig(lookup="auto").resolved(target=tiny).lookup == "off"
+  assert DecodingConfig().resolved(target=tiny).lookup == "off"
 
 
-def test_auto_takes_lookup_drafts_and_off_takes_none(tiny):
-  # The random drafter is never sure, so wherever the answer repeats "auto"
-  # (prompt for a greedy chain) verifies the lookup's drafts instead.
+def test_the_default_takes_lookup_drafts_and_off_takes_none(tiny):
+  # The random drafter is never sure, so wherever the answer repeats the default
+  # (auto: prompt for a greedy chain) verifies the lookup's drafts instead.
   drafter = drafter_fixtures.random_drafter(tiny, seed=4)
   common = dict(max_new_tokens=24, mode="sd", drafter=drafter, block_size=3, schedule="off",
                 draft_backoff=0)
   ar = generate(tiny, [_REPEATING[0]], max_new_tokens=24)
-  default = generate(tiny, [_REPEATING[0]], lookup="auto", **common)
+  default = generate(tiny, [_REPEATING[0]], **common)
   off = generate(tiny, [_REPEATING[0]], lookup="off", **common)
   assert default.tokens == off.tokens == ar.tokens
   assert default.rows[0].lookup_rounds > 0 and off.rows[0].lookup_rounds == 0

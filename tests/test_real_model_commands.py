@@ -77,9 +77,9 @@ def test_benchmark_writes_results_table_and_plots(bench):
     assert all(k in row for k in REQUIRED), row
   keys = {(r["category"], r["method"]) for r in rows}
   for category in ("math", "overall"):
-    for method in ("ar", "dloop"):
+    for method in ("ar", "dloop+lookup"):  # python -m infer's default: the prompt lookup on
       assert (category, method) in keys
-  assert ("overall", "sd") not in keys  # --modes dloop
+  assert ("overall", "sd+lookup") not in keys  # --modes dloop
   overall = {(r["method"], r["drafter"]): r for r in rows if r["category"] == "overall"}
   ar = overall["ar", ""]
   assert result["config"]["cost_table"]["costs"]["1"] > 0
@@ -96,12 +96,16 @@ def test_benchmark_writes_results_table_and_plots(bench):
   inf = float("inf")
   assert {(p["gate"], p["max_stages"]) for p in sweep} == {(-inf, 3), (inf, 3)}
   for point in sweep:
-    # g = -inf drafts S_max stages every round, g = +inf one (sd's rounds).
-    assert point["stages_per_round"] == (3.0 if point["gate"] == -inf else 1.0), point
+    # g = -inf drafts S_max stages every round but the lookup's (one stage: the sweep
+    # runs the default lookup stage), g = +inf one (sd's rounds).
+    if point["gate"] == -inf:
+      assert 1.0 < point["stages_per_round"] <= 3.0, point
+    else:
+      assert point["stages_per_round"] == 1.0, point
   for name in ("results.md", "speedup.png", "gate_sweep.png"):
     assert (out / name).stat().st_size > 0
   assert not (out / "trees.png").exists()  # chains only: no tree plot
-  assert "| overall | dloop |" in (out / "results.md").read_text()
+  assert "| overall | dloop+lookup |" in (out / "results.md").read_text()
 
 
 def test_shipped_drafters_are_lossless_and_accepted_on_the_real_model(bench):

@@ -48,7 +48,7 @@ class DecodingConfig:
     sampling: greedy by default.
     lookup: "prompt": a row's first stage takes prompt-lookup drafts where the
       lookup matched and the drafter is unsure (`decoding.lookup`; greedy
-      chains in sd / dloop); "off" (default); "auto": "prompt" where it
+      chains in sd / dloop); "off"; "auto" (default): "prompt" where it
       applies (greedy chains of sd / dloop), "off" elsewhere.
     lookup_min_match: the shortest matched suffix (tokens) the lookup stage uses.
     lookup_max_probability: the lookup stage replaces drafts whose first one
@@ -69,7 +69,7 @@ class DecodingConfig:
   costs: Any = None
   width_tolerance: float = 0.02
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
-  lookup: str = "off"
+  lookup: str = "auto"
   lookup_min_match: int = 2
   lookup_max_probability: float = 0.5
   profile: str | None = None

@@ -804,8 +804,8 @@ def generate(
       output and the drafter's first draft has probability below
       `lookup_max_probability`, the round verifies the tokens that followed
       that occurrence instead of the drafter's stages (`decoding.lookup`;
-      counted in `RowStats.lookup_rounds`); "off" (default): the drafter's;
-      "auto": "prompt" for greedy chains of sd / dloop, "off" elsewhere.
+      counted in `RowStats.lookup_rounds`); "off": the drafter's; "auto"
+      (default): "prompt" for greedy chains of sd / dloop, "off" elsewhere.
     tree_budget: ("sd" / "dloop") B > 0 drafts a tree of the B best prefixes
       per stage (DDTree) and verifies the whole tree in one target forward
       (`decoding.tree_round`; drafters with `supports_trees`); 0: chains.

@@ -103,10 +103,11 @@ def _parse(argv):
                       " its top draft probabilities) and / or probability (the top draft"
                       " probabilities always: methods sd~prob, dloop~prob, run for drafters"
                       " with a learned confidence only)")
-  p.add_argument("--lookups", type=_names, default=["off"],
+  p.add_argument("--lookups", type=_names, default=None,
                  help="off and / or prompt: chains of sd / dloop without and with the"
                       " prompt-lookup stage (methods named ...+lookup; greedy only); default:"
-                      " python -m infer's (off)")
+                      " python -m infer's (prompt when greedy, off when sampling); the gate"
+                      " sweep runs the first")
   p.add_argument("--draft-backoff", type=int, default=None,
                  help="longest drafting pause after fruitless rounds (default: 64 with schedule"
                       " cost, 0 with off; the gate sweep always drafts)")
@@ -145,7 +146,10 @@ def _parse(argv):
                  help="prompts per category of the main run reused by the sweep")
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.lookups is None:  # python -m infer's default (lookup="auto")
+    args.lookups = ["prompt"] if args.temperature == 0 else ["off"]
+  return args
 
 
 def _profile_defaults(args) -> None:
@@ -592,9 +596,10 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
   ar = [r for r in records if r["method"] == "ar" and (r["category"], r["prompt_id"]) in keys]
   points = []
   for label, d in drafters:
-    # The gate alone: every round drafts (no back-off), the scheduler as in the main run.
+    # The gate alone: every round drafts (no back-off), the scheduler and the
+    # lookup stage as in the main run (its first --lookups: one program more at most).
     m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
-                         block_size=args.block_size, draft_backoff=0,
+                         block_size=args.block_size, draft_backoff=0, lookup=args.lookups[0],
                          allow_inexact=arguments.is_16_bit(target.model), **common)
     for s_max in args.sweep_max_stages:
       # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
