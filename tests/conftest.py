@@ -75,21 +75,6 @@ jax.devices()  # the backend reads XLA_FLAGS now
 os.environ["DLOOP_TEST_XLA_FLAGS"] = os.environ["XLA_FLAGS"]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_xdist_auto_num_workers(config):
-  """`-n auto`: one test process more than this machine's cores.
-
-  The suite's processes spend much of their time on work that leaves a core
-  idle: waiting for the programs, trainers and notebook kernels they start,
-  and for checkpoints and the compilation cache on disk. A third process on
-  2 cores keeps both busy ($PYTEST_XDIST_AUTO_NUM_WORKERS still decides where set).
-  """
-  del config
-  if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-    return None
-  return len(os.sched_getaffinity(0)) + 1
-
-
 def pytest_collection_modifyitems(config, items):
   """The real model's modules first (their order kept; the rest after, in theirs).
 
