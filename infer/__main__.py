@@ -131,6 +131,7 @@ def main(argv=None) -> int:
 
   from dloop_jax import prompt_files
   from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
+  from dloop_jax.decoding import lookup as lookup_lib
   from dloop_jax.errors import DLoopError
   from dloop_jax.models.registry import load_target
 
@@ -184,6 +185,8 @@ def main(argv=None) -> int:
         draft_backoff=args.draft_backoff, tree_budget=args.tree_budget if mode != "ar" else 0,
         confidence=args.confidence, fixed_width=args.fixed_width, profile=args.profile,
         allow_inexact=args.allow_inexact, lookup=args.lookup)
+    looks_up = lookup_lib.resolve(config.lookup, mode=mode, greedy=sampling.greedy,
+                                  tree_budget=config.tree_budget) == "prompt"
     # One prompt per call; on a mesh, batches of one row per data shard (the
     # last padded with copies of its last prompt, whose outputs are dropped).
     rows_per_call = mesh.shape["data"] if mesh is not None else 1
@@ -194,21 +197,14 @@ def main(argv=None) -> int:
                      seed=args.seed, stop_tokens=stop)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
-                drafter=drafter, tok=tok, target=target.model)
+                drafter=drafter, tok=tok, target=target.model, looks_up=looks_up)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
 
 
-def _looks_up(args, mode: str) -> bool:
-  """Whether the run had the prompt-lookup stage (--lookup, "auto" resolved)."""
-  from dloop_jax.decoding import lookup  # pylint: disable=g-import-not-at-top
-  return lookup.resolve(args.lookup, mode=mode, greedy=args.temperature == 0,
-                        tree_budget=args.tree_budget) == "prompt"
-
-
-def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
+def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up) -> None:
   """Prints one prompt's answer (and its statistics) from a `GenerationOutput` row."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.transformer import is_half  # pylint: disable=g-import-not-at-top
@@ -230,7 +226,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
                schedule=out.schedule, tree_budget=args.tree_budget or None,
                drafted=row.drafted,
                verified=row.verified, plain_rounds=row.plain_rounds,
-               lookup_rounds=row.lookup_rounds if _looks_up(args, mode) else None,
+               lookup_rounds=row.lookup_rounds if looks_up else None,
                dtype=dtype, weights=weights, fixed_width=fixed_width,
                mesh=args.mesh)
     print(json.dumps(rec), flush=True)
@@ -242,7 +238,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target) -> None:
           f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
           + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"
              f" drafts, {row.plain_rounds} plain rounds" if mode != "ar" else "")
-          + (f", {row.lookup_rounds} lookup rounds" if _looks_up(args, mode) else ""),
+          + (f", {row.lookup_rounds} lookup rounds" if looks_up else ""),
           file=sys.stderr)
 
 
