@@ -68,11 +68,12 @@ def test_greedy_lossless(tiny, drafters, batch):
       continue  # the reduced vocabulary is one more compile: once is enough
     for mode, gamma, s_max, gate in runs:
       # A flat cost table verifies every draft; the session's CPU table (None) lets the
-      # scheduler verify fewer, often none with these weak drafters.
+      # scheduler verify fewer, often none with these weak drafters. Both on one program
+      # (every width compiled; a flat table's fewer widths: tests/test_engine_greedy.py).
       flat = mode == "sd" or gate == -math.inf
       out = generate(tiny, prompts, max_new_tokens=max_new, mode=mode, drafter=drafter,
                      block_size=gamma, gate=gate, max_stages=s_max,
-                     costs={1: 1.0, 7: 1.0} if flat else None)
+                     costs={1: 1.0, 7: 1.0} if flat else None, width_tolerance=0.0)
       for p, want, got in zip(prompts, ar.tokens, out.tokens):
         assert len(got) == max_new
         assert_same_or_near_tie(tiny, p, want, got)

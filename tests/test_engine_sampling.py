@@ -76,8 +76,10 @@ def test_first_three_tokens_match_target(tiny, exact, setting, mode, gamma, max_
                   schedule=schedule)
     runs = [kwargs] if schedule == "off" else [
         # The default table with the drafting back-off; a forcing table with every
-        # round drafting, so that it forces the verified prefix of every round.
-        dict(kwargs, costs=None), dict(kwargs, costs=_forcing(j), draft_backoff=0)]
+        # round drafting, so that it forces the verified prefix of every round (on
+        # the same program: every width compiled, as the default table's steep costs do).
+        dict(kwargs, costs=None),
+        dict(kwargs, costs=_forcing(j), draft_backoff=0, width_tolerance=0.0)]
   for kwargs in runs:
     out = generate(tiny, [PROMPT] * N, max_new_tokens=3, mode=mode, sampling=sampling,
                    seed=11, **kwargs)
