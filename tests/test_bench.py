@@ -179,9 +179,12 @@ def test_fixed_width_methods_fit_the_width():
   import types  # pylint: disable=g-import-not-at-top
   from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
 
+  from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
+
   # python -m infer's default: the prompt lookup for greedy chains, none when sampling.
-  assert bench_main._parse([]).lookups == ["prompt"]
-  assert bench_main._parse(["--temperature", "0.7"]).lookups == ["off"]
+  assert bench_main._lookups(bench_main._parse([]).lookups, SamplingConfig()) == ["prompt"]
+  assert bench_main._lookups(None, SamplingConfig(temperature=0.7)) == ["off"]
+  assert bench_main._lookups(["off", "prompt"], SamplingConfig()) == ["off", "prompt"]
   args = bench_main._parse(["--fixed-widths", "5", "--lookups", "off"])
   drafter = types.SimpleNamespace(block_size=4, supports_trees=False, name="block")
   got = bench_main._our_methods(args, target=None, drafters=[("block", drafter)], weights="",

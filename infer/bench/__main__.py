@@ -146,10 +146,15 @@ def _parse(argv):
                  help="prompts per category of the main run reused by the sweep")
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
-  args = p.parse_args(argv)
-  if args.lookups is None:  # python -m infer's default (lookup="auto")
-    args.lookups = ["prompt"] if args.temperature == 0 else ["off"]
-  return args
+  return p.parse_args(argv)
+
+
+def _lookups(given: list[str] | None, sampling) -> list[str]:
+  """--lookups, or python -m infer's default (lookup="auto") for the benchmark's chains."""
+  if given is not None:
+    return given
+  from dloop_jax.decoding import lookup as lookup_lib  # pylint: disable=g-import-not-at-top
+  return [lookup_lib.resolve("auto", mode="dloop", greedy=sampling.greedy, tree_budget=0)]
 
 
 def _profile_defaults(args) -> None:
@@ -343,9 +348,10 @@ def main(argv=None) -> int:
       raise DLoopError(f"--schedules takes cost and / or off, got {args.schedules!r}.")
     if any(b < 0 for b in args.tree_budgets):
       raise DLoopError(f"--tree-budgets takes budgets >= 0, got {args.tree_budgets}.")
+    args.lookups = _lookups(args.lookups, sampling)
     if not args.lookups or any(x not in ("off", "prompt") for x in args.lookups):
       raise DLoopError(f"--lookups takes off and / or prompt, got {','.join(args.lookups)!r}.")
-    if "prompt" in args.lookups and args.temperature > 0:
+    if "prompt" in args.lookups and not sampling.greedy:
       raise DLoopError("--lookups prompt runs greedy decoding only (temperature 0).")
     if not args.confidences or any(x not in ("auto", "probability") for x in args.confidences):
       raise DLoopError("--confidences takes auto and / or probability, got"
