@@ -5,7 +5,8 @@ and the same program comes back in every new process (a notebook's kernel
 restart, the next command). `generate()` turns the cache on at its first
 compilation, so the next process loads the program instead of compiling it:
 
-    $DLOOP_JAX_CACHE          where (default ~/.cache/dloop_jax/jax_compilation)
+    $DLOOP_JAX_CACHE          where (default jax_compilation/ in this machine's
+                              cache directory: $DLOOP_CACHE_DIR, else ~/.cache/dloop_jax)
     $DLOOP_JAX_CACHE=off      opt out (also "0", "false", "none")
     jax_compilation_cache_dir already set (by the caller): that one is kept
 
@@ -25,7 +26,9 @@ _checked = False
 
 
 def default_directory() -> str:
-  return os.path.join(os.path.expanduser("~"), ".cache", "dloop_jax", "jax_compilation")
+  """jax_compilation/ beside the machine's other measurements (`profiles.cache_dir()`)."""
+  from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
+  return os.path.join(profiles.cache_dir(), "jax_compilation")
 
 
 def enable(*, force: bool = False) -> str | None:

@@ -188,12 +188,17 @@ def test_the_persistent_compilation_cache_is_on_unless_opted_out(monkeypatch, tm
     monkeypatch.setenv("DLOOP_JAX_CACHE", "off")
     assert compilation_cache.enable() is None and not jax.config.jax_compilation_cache_dir
     monkeypatch.delenv("DLOOP_JAX_CACHE")
+    monkeypatch.delenv("DLOOP_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert compilation_cache.enable() == str(tmp_path / ".cache/dloop_jax/jax_compilation")
+    # Beside the machine's other measurements where they are kept elsewhere.
+    monkeypatch.setenv("DLOOP_CACHE_DIR", str(tmp_path / "machine"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert compilation_cache.enable() == str(tmp_path / "machine" / "jax_compilation")
     # A directory the caller set stays; the command-line programs force theirs.
     monkeypatch.setenv("DLOOP_JAX_CACHE", str(tmp_path / "mine"))
     assert compilation_cache.enable() is None
-    assert jax.config.jax_compilation_cache_dir.startswith(str(tmp_path / ".cache"))
+    assert jax.config.jax_compilation_cache_dir.startswith(str(tmp_path / "machine"))
     assert compilation_cache.enable(force=True) == str(tmp_path / "mine")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
   finally:
