@@ -136,3 +136,29 @@ def test_bad_online_and_heldout_values(key, value, match):
   c[section][leaf] = value
   with pytest.raises(ConfigError, match=match):
     config_lib.validate(c)
+
+
+def test_feature_regression_is_a_weighted_term_of_the_online_step(tmp_path):
+  """EAGLE-1's feature loss: online, w adds w x (a positive regression loss) to the objective;
+  offline (no last-layer output stored) and on a drafter without a feature it is refused."""
+  offline = trainer_lib.Trainer(_config("tiny_eagle3.py", online=False))
+  iterator, _ = offline.hooks.make_iterator(
+      offline.config, target=offline.target, drafter=offline.drafter, workdir=str(tmp_path),
+      batch_size=offline.local_batch_size, shard_index=0, shard_count=1)
+  batch = next(iterator)
+  losses, grads = {}, {}
+  for w in (0.0, 0.5, 1.0):
+    t = trainer_lib.Trainer(_config("tiny_eagle3.py", online=True, feature_regression_weight=w))
+    loss, _, g = jax.device_get(t.loss_and_grads(batch))
+    losses[w], grads[w] = float(loss), g
+  extra = losses[0.5] - losses[0.0]
+  assert extra > 1e-3 * losses[0.0]  # a random drafter's state is far from the target's
+  np.testing.assert_allclose(losses[1.0] - losses[0.0], 2 * extra, rtol=1e-4)
+  assert any(not np.allclose(grads[0.5][k], grads[0.0][k]) for k in grads[0.0])
+
+  stored = trainer_lib.Trainer(_config("tiny_eagle3.py", online=False,
+                                       feature_regression_weight=0.5))
+  with pytest.raises(ConfigError, match="train online"):
+    stored.loss_and_grads(batch)
+  with pytest.raises(ConfigError, match="has none"):
+    trainer_lib.Trainer(_config("tiny_domino.py", online=True, feature_regression_weight=0.5))
