@@ -18,7 +18,9 @@ from flax import nnx
 
 from dloop_jax.data import pipeline
 from dloop_jax.data import target_responses as tr_lib
+from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
+from dloop_jax.training import objectives
 from dloop_jax.training import trainer as trainer_lib
 
 import trainer_hooks
@@ -160,5 +162,8 @@ def test_feature_regression_is_a_weighted_term_of_the_online_step(tmp_path):
                                        feature_regression_weight=0.5))
   with pytest.raises(ConfigError, match="train online"):
     stored.loss_and_grads(batch)
+  domino = build_drafter({"kind": "domino", "block_size": 2}, target=offline.target.model,
+                         rngs=nnx.Rngs(0))
   with pytest.raises(ConfigError, match="has none"):
-    trainer_lib.Trainer(_config("tiny_domino.py", online=True, feature_regression_weight=0.5))
+    objectives.loss_fn(domino, batch, jax.random.key(0), objective="domino",
+                       cfg={"feature_regression_weight": 0.5})

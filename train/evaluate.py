@@ -275,6 +275,13 @@ def main(argv=None) -> int:
   from dloop_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
   try:
+    if args.engine and args.prompts not in ("bench", "random"):
+      # A missing or malformed prompts file fails before the target loads.
+      from dloop_jax import prompt_files  # pylint: disable=g-import-not-at-top
+      if not os.path.isfile(args.prompts):
+        raise DLoopError(f"--prompts {args.prompts}: no such file (a JSONL file with a"
+                         ' "prompt" field per line, or bench).')
+      prompt_files.read_prompts(args.prompts)
     loaded = load_target(args.target, weights=args.weights)
     target = trainer_lib.Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
     rows = evaluate(args, target=target)
