@@ -276,11 +276,9 @@ def main(argv=None) -> int:
 
   try:
     if args.engine and args.prompts not in ("bench", "random"):
-      # A missing or malformed prompts file fails before the target loads.
+      # A missing or malformed prompts file fails before the target loads (as in
+      # python -m infer --prompts-file).
       from dloop_jax import prompt_files  # pylint: disable=g-import-not-at-top
-      if not os.path.isfile(args.prompts):
-        raise DLoopError(f"--prompts {args.prompts}: no such file (a JSONL file with a"
-                         ' "prompt" field per line, or bench).')
       prompt_files.read_prompts(args.prompts)
     loaded = load_target(args.target, weights=args.weights)
     target = trainer_lib.Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
