@@ -297,12 +297,27 @@ def test_default_sizing_for_the_real_target():
   assert (layer + head) / target < 0.07
 
 
-def test_export_and_load_keep_the_draft_vocabulary(tiny, drafters, tmp_path):
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_export_and_load_keep_the_draft_vocabulary(tiny, drafters, tmp_path, weights):
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   drafter = drafters["trained_v48"]
-  path = drafter_io.export_drafter(drafter, tmp_path / "export", target_name="tiny")
+  path = drafter_io.export_drafter(drafter, tmp_path / "export", target_name="tiny",
+                                   weights=weights)
   loaded = drafter_io.load_drafter(path, target=tiny)
   np.testing.assert_array_equal(loaded.d2t[...], drafter.d2t[...])
   np.testing.assert_array_equal(loaded.t2d[...], drafter.t2d[...])
   np.testing.assert_allclose(loaded.lm_head[...], drafter.lm_head[...], atol=2e-2)
   assert loaded.drafter_config() == drafter.drafter_config()
+  info = drafter_io.read_info(path)
+  assert info["params"]["lm_head"]["dtype"] == weights
+  assert info["params"]["mlp_norm"]["dtype"] == "bfloat16"  # vectors stay 16-bit
+  if weights == "int8":
+    # Each value is within half its group's step, plus two bf16 roundings (stored, loaded).
+    want = np.asarray(drafter.lm_head[...], np.float32)
+    g = drafter_io.int8_group(want.shape)
+    step = np.repeat(np.abs(want.reshape(want.shape[0], -1, g)).max(-1) / 127, g, axis=-1)
+    error = np.abs(np.asarray(loaded.lm_head[...], np.float32) - want)
+    assert (error <= 0.5 * step.reshape(want.shape) + np.abs(want) * 2 ** -7 + 1e-7).all()
+    assert info["version"] == 2 and error.max() > 0
+  with pytest.raises(ConfigError, match="bfloat16 weights"):
+    drafter_io.export_drafter(drafter, tmp_path / "hf", format="hf", weights="int8")

@@ -5,6 +5,7 @@
     python -m train.export --drafter HF_DIR --target TARGET --out ours/eagle3   # HF -> ours
     python -m train.export --drafter smollm2-135m-instruct-block --out ours/block16k \
         --draft-vocab-size 16384 --token-counts DATASET   # draft the 16,384 commonest tokens
+    python -m train.export --drafter runs/block/export --out ours/block_int8 --weights int8
 
 --format hf writes config.json + model.safetensors in the public layout of the
 drafter's kind (SpecForge's EAGLE-3, z-lab's DFlash, DeepSpec's DSpark, Domino's;
@@ -22,6 +23,11 @@ Domino drafter gets a draft vocabulary: they train over the full one. The
 public layouts hold no draft vocabulary: with --format hf a restricted DSpark
 or Domino drafter is refused, a restricted block drafter is written over the
 whole head (with a warning).
+
+--weights int8 stores the weight matrices as int8 groups with a float32 scale
+each (about half of bfloat16's bytes; loaded back as bfloat16): the storage of
+the shipped drafters. Converting our export to our format keeps its training
+metrics, provenance and shipping rank.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ def _parse(argv):
   p.add_argument("--token-counts", default=None,
                  help="dataset directory (python -m train.data) whose training responses'"
                       " token counts choose the draft vocabulary")
+  p.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16",
+                 help="--format dloop: weight storage (int8: matrices as int8 groups with a"
+                      " scale each, loaded back as bfloat16)")
   return p.parse_args(argv)
 
 
@@ -65,6 +74,20 @@ def _default_target(drafter: str) -> str | None:
     with open(os.path.join(drafter, hf_format.CONFIG_FILE)) as f:
       return (json.load(f).get(hf_format.META_KEY) or {}).get("target") or None
   return drafter_io.read_info(drafter_io.resolve(drafter)).get("target", {}).get("name") or None
+
+
+def _keep_shipping(path: str, source: dict) -> None:
+  """Writes a shipped drafter's name and rank (`shipped_drafters_for`'s order) into the new
+  export."""
+  from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
+
+  info_path = os.path.join(path, drafter_io.INFO_FILE)
+  with open(info_path) as f:
+    info = json.load(f)
+  info.update({k: source[k] for k in ("name", "rank")})
+  with open(info_path + ".tmp", "w") as f:
+    json.dump(info, f, indent=1, sort_keys=True)
+  os.replace(info_path + ".tmp", info_path)
 
 
 def main(argv=None) -> int:
@@ -82,7 +105,9 @@ def main(argv=None) -> int:
       raise DLoopError(f"{args.drafter} does not name its target; pass --target.")
     target = load_target(target_name, dtype="float32")
     drafter = drafter_io.load_drafter(args.drafter, target=target.model)
-    metrics = extra = None
+    ours = not drafter_io.is_hf_dir(args.drafter)
+    info = drafter_io.read_info(drafter_io.resolve(args.drafter)) if ours else {}
+    metrics, extra = info.get("metrics"), info.get("extra")
     if args.draft_vocab_size:
       from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
       from dloop_jax.drafters import with_draft_vocab  # pylint: disable=g-import-not-at-top
@@ -92,16 +117,16 @@ def main(argv=None) -> int:
       kept = counts[np.asarray(drafter.d2t[...])].sum() / max(int(counts.sum()), 1)
       print(f"draft vocabulary: the {args.draft_vocab_size} most frequent of {int(counts.sum())}"
             f" response tokens ({kept:.2%} of them)", file=sys.stderr)
-      info = {} if drafter_io.is_hf_dir(args.drafter) else drafter_io.read_info(
-          drafter_io.resolve(args.drafter))
-      metrics = info.get("metrics")
       # The dataset by its last two path components (name / version), not a machine's path.
       dataset = "/".join(os.path.normpath(args.token_counts).split(os.sep)[-2:])
       extra = dict(info.get("extra") or {}, draft_vocab={
           "size": args.draft_vocab_size, "counted_from": dataset,
           "response_tokens": int(counts.sum()), "share_of_response_tokens": float(kept)})
     out = drafter_io.export_drafter(drafter, args.out, target_name=target.name,
-                                    format=args.format, metrics=metrics, extra=extra)
+                                    format=args.format, metrics=metrics, extra=extra,
+                                    weights=args.weights)
+    if args.format == "dloop" and "rank" in info:
+      _keep_shipping(out, info)
   except (DLoopError, OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

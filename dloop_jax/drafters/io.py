@@ -7,7 +7,10 @@ An export is a directory:
                    training metrics, and the name, shape and dtype of every array
     arrays/        Orbax checkpoint {"params": {name: array}, "model_state": {...}}
                    trainable weights (nnx.Param) stored in bfloat16, other
-                   non-frozen variables (e.g. vocabulary maps) as they are
+                   non-frozen variables (e.g. vocabulary maps) as they are;
+                   or, with `weights="int8"`, matrices stored as int8 groups
+                   with a float32 scale each ({"scales": {name: array}}), read
+                   back as bfloat16 (`quantize_int8`)
 
 Frozen weights shared with the target (its embedding, LM head) are not stored:
 `load_drafter` takes them from the target it is given, after checking that the
@@ -44,12 +47,18 @@ from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
 
 FORMAT = "dloop_jax.drafter"
-VERSION = 1
+# Version 2: int8 weight storage (an older reader would take int8 values for weights).
+VERSION = 2
 INFO_FILE = "drafter.json"
 ARRAYS_DIR = "arrays"
 STORAGE_DTYPE = jnp.bfloat16
 WEIGHTS_DIR = os.path.join(os.path.dirname(__file__), "weights")
 FORMATS = ("dloop", "hf")
+WEIGHT_STORAGES = ("bfloat16", "int8")
+# Values of a weight matrix that share one int8 scale, along its last axis (as GGUF's Q8_0
+# blocks of 32: a group's scale follows its local magnitude, so the rounding error stays a
+# small fraction of bfloat16's own for these weights).
+INT8_GROUP = 64
 
 
 # orbax's marker of a finished write (written on file systems without atomic
@@ -66,10 +75,41 @@ def _make_commit_marker_portable(arrays_dir: str) -> None:
       f.write(f"Checkpoint commit was successful to {os.path.basename(arrays_dir)}")
 
 
+def int8_group(shape: tuple[int, ...]) -> int:
+  """Values per scale along the last axis (the whole axis when it is not a multiple)."""
+  return INT8_GROUP if shape[-1] % INT8_GROUP == 0 else shape[-1]
+
+
+def quantize_int8(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(q int8 [..., N], scale float32 [..., N / group]): symmetric, one scale a group.
+
+  `dequantize_int8(q, scale)` returns value's bfloat16 rounding of q * scale.
+  """
+  v = np.asarray(value, dtype=np.float32)
+  g = int8_group(v.shape)
+  groups = v.reshape(*v.shape[:-1], v.shape[-1] // g, g)
+  scale = np.abs(groups).max(axis=-1) / 127.0
+  q = np.rint(groups / np.where(scale > 0, scale, 1.0)[..., None])
+  return q.astype(np.int8).reshape(v.shape), scale.astype(np.float32)
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+  """The bfloat16 weights [..., N] of `quantize_int8`'s (q, scale)."""
+  g = q.shape[-1] // scale.shape[-1]
+  groups = q.astype(np.float32).reshape(*q.shape[:-1], scale.shape[-1], g)
+  return (groups * scale[..., None]).reshape(q.shape).astype(STORAGE_DTYPE)
+
+
+def _quantizes(value: Any) -> bool:
+  """Whether int8 storage applies: float matrices (vectors such as norms stay bfloat16)."""
+  return variables_lib.is_float(value) and np.ndim(value) >= 2
+
+
 def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name: str = "",
                    metrics: Mapping[str, Any] | None = None,
                    extra: Mapping[str, Any] | None = None,
-                   format: str = "dloop") -> str:  # pylint: disable=redefined-builtin
+                   format: str = "dloop",  # pylint: disable=redefined-builtin
+                   weights: str = "bfloat16") -> str:
   """Writes `drafter` (weights + config + its target's identity) to `path`.
 
   Every process must call it (the array write is collective); only process 0
@@ -85,18 +125,32 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
     format: "dloop" (this module's layout) or "hf" (the public EAGLE-3 /
       DFlash layout: config.json + model.safetensors, for SGLang / vLLM;
       metrics and extra are not written there).
+    weights: "bfloat16" or "int8" (matrices as int8 groups of `INT8_GROUP`
+      values with a float32 scale each, about half the bytes; read back as
+      bfloat16). "dloop" format only.
 
   Returns:
     The export directory.
   """
   if format not in FORMATS:
     raise ConfigError(f"Unknown drafter export format {format!r}; expected one of {FORMATS}.")
+  if weights not in WEIGHT_STORAGES:
+    raise ConfigError(f"Unknown drafter weight storage {weights!r}; expected one of"
+                      f" {WEIGHT_STORAGES}.")
   if format == "hf":
+    if weights != "bfloat16":
+      raise ConfigError("The Hugging Face layouts store bfloat16 weights; int8 storage is"
+                        " for our own format.")
     return hf_format.export_hf(drafter, path, target_name=target_name)
   path = os.path.abspath(os.fspath(path))
   _, params, _, _, model_state = variables_lib.split_drafter(drafter)
   flat_params = {k: jnp.asarray(v).astype(STORAGE_DTYPE) if variables_lib.is_float(v) else v
                  for k, v in flat_state.flat_values(params).items()}
+  flat_scales = {}
+  if weights == "int8":
+    for k, v in flat_params.items():
+      if _quantizes(v):
+        flat_params[k], flat_scales[k] = quantize_int8(np.asarray(jax.device_get(v)))
   flat_model = flat_state.flat_values(model_state)
   info_path = os.path.join(path, INFO_FILE)
   if jax.process_index() == 0:
@@ -106,6 +160,8 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
   arrays = {"params": flat_params}
   if flat_model:
     arrays["model_state"] = flat_model
+  if flat_scales:
+    arrays["scales"] = flat_scales
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.join(path, ARRAYS_DIR), arrays, force=True)
     checkpointer.wait_until_finished()
@@ -118,7 +174,9 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
 
   info = {
       "format": FORMAT,
-      "version": VERSION,
+      # Version 1 readers can read bfloat16 exports.
+      "version": VERSION if flat_scales else 1,
+      "weights": weights,
       "kind": getattr(drafter, "kind", None),
       "name": getattr(drafter, "name", type(drafter).__name__),
       "drafter_config": variables_lib.drafter_config_of(drafter),
@@ -129,6 +187,7 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
                      dict(getattr(drafter, "target_fingerprint", ())))},
       "params": describe(flat_params),
       "model_state": describe(flat_model),
+      **({"scales": describe(flat_scales), "int8_group": INT8_GROUP} if flat_scales else {}),
       "metrics": plain_values.to_plain(dict(metrics or {})),
       **({"extra": plain_values.to_plain(dict(extra))} if extra else {}),
   }
@@ -227,7 +286,7 @@ def check_target(info: Mapping[str, Any], target_config: Any, *, source: str) ->
 
 def read_arrays(path: str | os.PathLike, info: Mapping[str, Any]
                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-  """(params, model_state) of an export as stored (bf16 params), on the host."""
+  """(params, model_state) of an export on the host: params in bfloat16 (int8 dequantized)."""
   def abstract(desc):
     return {k: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
             for k, d in desc.items()}
@@ -235,6 +294,8 @@ def read_arrays(path: str | os.PathLike, info: Mapping[str, Any]
   target = {"params": abstract(info["params"])}
   if info.get("model_state"):
     target["model_state"] = abstract(info["model_state"])
+  if info.get("scales"):
+    target["scales"] = abstract(info["scales"])
   arrays_dir = os.path.join(os.fspath(path), ARRAYS_DIR)
   try:
     with ocp.StandardCheckpointer() as checkpointer:
@@ -243,8 +304,10 @@ def read_arrays(path: str | os.PathLike, info: Mapping[str, Any]
     raise ModelLoadError(f"Cannot read the drafter weights in {arrays_dir}"
                          f" ({type(e).__name__}: {str(e).splitlines()[0][:300]}). The export"
                          " is truncated or corrupt; export it again.") from e
-  return ({k: np.asarray(v) for k, v in out["params"].items()},
-          {k: np.asarray(v) for k, v in out.get("model_state", {}).items()})
+  params = {k: np.asarray(v) for k, v in out["params"].items()}
+  for k, scale in out.get("scales", {}).items():
+    params[k] = dequantize_int8(params[k], np.asarray(scale))
+  return params, {k: np.asarray(v) for k, v in out.get("model_state", {}).items()}
 
 
 def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
