@@ -7,7 +7,7 @@ import math
 import pytest
 
 import drafter_fixtures
-from dloop_jax.decoding import engine, generate
+from dloop_jax.decoding import engine, generate, loop_copies
 from dloop_jax.decoding import schedule as schedule_lib
 
 # The shapes of test_engine_gate.py's runs: in one session they share its compile.
@@ -130,6 +130,48 @@ def _iota_lengths(jaxpr):
     for sub in _subjaxprs(eqn):
       found |= _iota_lengths(sub)
   return found
+
+
+def test_the_optimized_dloop_program_copies_no_cache_in_its_loops(tiny, drafter):
+  """The round loop, the stage loop inside it and the switch over the verification widths
+  write the KV cache in place: no copy of a cache-shaped array in any loop body of the program
+  XLA optimized (test_one_compile_per_shape's program: not compiled again)."""
+  kw = dict(mode="dloop", drafter=drafter, block_size=GAMMA, max_stages=S_MAX, draft_backoff=0,
+            lookup="off")
+  compiled, static = engine.decode_program(tiny, [[5, 6, 7], [9, 1, 2, 3, 4]],
+                                           max_new_tokens=MAX_NEW, gate=-0.5, **kw)
+  assert len(static.widths) > 1  # the verification is a switch
+  text = compiled.as_text()
+  assert "while(" in text and "conditional(" in text
+  assert loop_copies.decode_cache_copies(tiny, [[5, 6, 7], [9, 1, 2, 3, 4]],
+                                         max_new_tokens=MAX_NEW, gate=-0.5, **kw) == []
+
+
+def test_loop_copies_finds_a_loop_that_copies_its_carry():
+  """The counter on a loop that must copy (it returns its carry both updated and unchanged) and
+  on one that updates in place."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  x = jnp.zeros((4, 64, 8))
+  shapes = [loop_copies.shape_text(x.shape, x.dtype)]
+  assert shapes == ["f32[4,64,8]"]
+
+  def swapping(x, n):
+    return jax.lax.fori_loop(0, n, lambda i, c: (c[0].at[:, i].set(c[1][:, i] + 1.0), c[0]),
+                             (x, x + 1.0))
+
+  def in_place(x, n):
+    return jax.lax.fori_loop(0, n, lambda i, a: a.at[:, i].set(a[:, i - 1] + 1.0), x)
+
+  found = loop_copies.cache_copies_in_loops(jax.jit(swapping).lower(x, 5).compile().as_text(),
+                                            shapes=shapes)
+  assert found and all(c.shape == "f32[4,64,8]" for c in found)
+  assert not loop_copies.cache_copies_in_loops(
+      jax.jit(in_place).lower(x, 5).compile().as_text(), shapes=shapes)
+  # Other shapes are not the cache's.
+  assert not loop_copies.cache_copies_in_loops(
+      jax.jit(swapping).lower(x, 5).compile().as_text(), shapes=["f32[4,64,9]"])
 
 
 @pytest.mark.parametrize("schedule,widths", [

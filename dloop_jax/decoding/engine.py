@@ -737,6 +737,22 @@ def decode_jaxpr(target: Transformer, prompts: Sequence[Sequence[int]], *, max_n
     return jax.make_jaxpr(lambda *a: _decode(static, *a))(*args)
 
 
+def decode_program(target: Transformer, prompts: Sequence[Sequence[int]], *,
+                   max_new_tokens: int, config: DecodingConfig | None = None, **kwargs):
+  """(the compiled program `generate()` runs for these arguments, its static shape): for
+  inspecting the optimized program (`decoding.loop_copies`); compiled once, shared with
+  `generate()`."""
+  config, rest = _split_options(config, kwargs)
+  static, args = _prepare(target, prompts, config=config, max_new_tokens=max_new_tokens, **rest)
+  compiled = _COMPILED.get(static)
+  if compiled is None:
+    compilation_cache.ensure()
+    with _matmul_precision(target), _kernel_forms(target):
+      compiled = jax.jit(_decode, static_argnums=0).lower(static, *args).compile()
+    _COMPILED[static] = compiled
+  return compiled, static
+
+
 def generate(
     target: Transformer,
     prompts: Sequence[Sequence[int]],
