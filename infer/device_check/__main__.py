@@ -12,7 +12,15 @@ On the first JAX device, with random weights (no checkpoint, no network):
   speed         ms per ar step and per dloop round inside the decode loop,
                 against the isolated forwards (`infer.profile`'s costs);
   prefill       tokens/s at 1k / 8k / 32k tokens (tiny: 64 / 256),
-                lengths past the context or the device's memory skipped.
+                lengths past the context or the device's memory skipped;
+  attention     prefill at 8k / 32k through cuDNN flash attention against
+                XLA's path (off a GPU, XLA's dot_product_attention stands in
+                for cuDNN): tokens/s and the largest |difference| of the logits;
+  long cache    ms per decode step (width 1) after 8k / 32k prompt tokens;
+  loop copies   cache copies inside the loops of the optimized decode
+                programs (should be 0);
+  memory        the device's peak bytes in use (n/a where the backend has
+                no statistics); compile seconds of every program.
 
 Writes DIR/results.json and DIR/summary.md (after every section, so an
 interrupted run keeps what it measured) and keeps JAX's compilation cache in
@@ -65,7 +73,7 @@ def run(args, log) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from infer.device_check import checks, report, speed  # pylint: disable=g-import-not-at-top
+  from infer.device_check import checks, kernels, report, speed  # pylint: disable=g-import-not-at-top
   from infer.profile import measure, presets  # pylint: disable=g-import-not-at-top
 
   if args.preset not in PLANS:
@@ -113,6 +121,16 @@ def run(args, log) -> dict:
     log(f"built {what} in {time.perf_counter() - t0:.1f} s")
     return value
 
+  def count_copies(label, *, target, prompts, programs, max_new_tokens):
+    copies = result.setdefault("loop_copies", {})
+    copies[label] = checks.guarded(lambda: kernels.copies(
+        target=target, prompts=prompts, programs=programs, max_new_tokens=max_new_tokens))
+    e = copies[label]
+    log(f"cache copies in the loops, {label}: " + (
+        f"ERROR {e['error']}" if "error" in e else
+        ", ".join(f"{name} {c['count']}" for name, c in e.items())))
+    save()
+
   def batch_prompts(b):
     return checks.prompts(batch_size=b, length=shape.prompt_length, vocab_size=config.vocab_size,
                           seed=b)
@@ -144,6 +162,10 @@ def run(args, log) -> dict:
     log(f"greedy fixed width {shape.width}, bf16, batch {b}: ar / sd / dloop"
         f" {verdict_of(fixed[str(b)])} ({time.perf_counter() - t0:.1f} s)")
     save()
+    if b == batches[0]:
+      count_copies(f"fixed width {shape.width}, bf16, batch {b}", target=bf16, prompts=prompts,
+                   programs=checks.run_plans(kind="fixed", shape=shape, drafter=drafter16),
+                   max_new_tokens=shape.long_tokens)
     t0 = time.perf_counter()
     timings[str(b)] = checks.guarded(lambda prompts=prompts, runs=runs: speed.loop_speed(
         target=bf16, drafter=drafter16, prompts=prompts, plan=plan, runs=runs))
@@ -193,6 +215,11 @@ def run(args, log) -> dict:
         log(f"greedy {name}, batch {b}: {runs} {verdict_of(entries[str(b)])}"
             f" ({time.perf_counter() - t0:.1f} s)")
         save()
+        if kind == "free" and b == batches[0]:
+          # The free-width dloop verifies through a switch over its widths.
+          count_copies(f"free widths, f32, batch {b}", target=f32, prompts=prompts,
+                       programs=checks.run_plans(kind="free", shape=shape, drafter=drafter32),
+                       max_new_tokens=shape.new_tokens)
     f32 = drafter32 = None  # frees the f32 copy before the prefill
 
   # --------------------------------------------------------------------- prefill
@@ -203,6 +230,29 @@ def run(args, log) -> dict:
     result["prefill"] = [dict(length=0, error=checks.error_record(e)["error"])]
     log(f"prefill: ERROR {result['prefill'][0]['error']}")
   log(f"prefill done ({time.perf_counter() - t0:.1f} s)")
+  save()
+
+  # ----------------------------------------- attention, long cache, memory
+  def entries(name, fn):
+    t0 = time.perf_counter()
+    try:
+      result[name] = fn()
+    except Exception as e:  # pylint: disable=broad-except
+      result[name] = [checks.error_record(e)]
+      log(f"{name}: ERROR {result[name][0]['error']}")
+    log(f"{name} done ({time.perf_counter() - t0:.1f} s)")
+    save()
+
+  entries("attention", lambda: kernels.attention(
+      target=bf16, lengths=plan.attention_lengths, repeats=plan.repeats,
+      backend=jax.default_backend(), log=log))
+  long_tokens, short_tokens = plan.long_steps
+  entries("long_cache", lambda: kernels.long_cache(
+      target=bf16, contexts=plan.long_contexts, long_tokens=long_tokens,
+      short_tokens=short_tokens, repeats=plan.repeats, log=log))
+  result["memory"] = kernels.peak_memory()
+  log("peak device memory: " + (f"{result['memory']['peak_bytes'] / 2 ** 30:.2f} GiB"
+                                if "peak_bytes" in result["memory"] else result["memory"]["n/a"]))
   save()
   return result
 

@@ -48,6 +48,11 @@ class Plan:
     batches: batch sizes of every correctness comparison and of the speed
       (each one compiles every program again: the tiny preset runs one).
     prefill_lengths: prompt lengths of the prefill measurement.
+    attention_lengths: prompt lengths of the attention comparison (cuDNN or
+      its stand-in against XLA's path).
+    long_contexts: prompt lengths the decode step is timed after.
+    long_steps: (long, short) new tokens of the two runs timing a decode step
+      after a long prompt.
     repeats: timed calls per measurement (the fastest or the median counts).
     drafter: drafter kind (random weights) of sd / dloop.
   """
@@ -58,6 +63,9 @@ class Plan:
   short_tokens: int
   batches: tuple[int, ...] = (1, 32)
   prefill_lengths: tuple[int, ...]
+  attention_lengths: tuple[int, ...]
+  long_contexts: tuple[int, ...]
+  long_steps: tuple[int, int] = (48, 16)
   repeats: int
   drafter: str = "block"
 
@@ -68,11 +76,14 @@ PLANS = {
     "default": Plan(base="qwen3-8b", overrides="num_layers=4",
                     shape=Shape(block_size=4, max_stages=3, tree_budget=8, prompt_length=128,
                                 new_tokens=48, long_tokens=370),
-                    short_tokens=250, prefill_lengths=(1024, 8192, 32768), repeats=3),
+                    short_tokens=250, prefill_lengths=(1024, 8192, 32768),
+                    attention_lengths=(8192, 32768), long_contexts=(8192, 32768), repeats=3),
     "tiny": Plan(base="tiny", overrides="",
                  shape=Shape(block_size=2, max_stages=2, tree_budget=4, prompt_length=16,
                              new_tokens=24, long_tokens=166),
-                 short_tokens=120, batches=(4,), prefill_lengths=(64, 256), repeats=2),
+                 short_tokens=120, batches=(4,), prefill_lengths=(64, 256),
+                 attention_lengths=(640,), long_contexts=(64, 160), long_steps=(40, 16),
+                 repeats=2),
 }
 # The tiny preset checks the command, not the compiler: its small programs compile about
 # twice as fast with LLVM at optimisation level 0 and XLA:CPU's loop emitters (the test

@@ -14,7 +14,9 @@ CORRECTNESS = {"fixed_bf16": "greedy fixed-width bf16 (exact)",
                "tree_f32": "greedy draft tree f32 (near-tie rule)",
                "sampling": "sampling smoke test (temperature 1)"}
 # Measurements: an error in one makes the verdict FAIL too; a skipped prefill length does not.
-MEASUREMENTS = {"speed": "speed in the decode loop", "prefill": "prefill tokens/s"}
+MEASUREMENTS = {"speed": "speed in the decode loop", "prefill": "prefill tokens/s",
+                "attention": "prefill attention implementations",
+                "long_cache": "decode after a long prompt"}
 
 
 def check_status(result: dict, name: str) -> str | None:
@@ -43,6 +45,14 @@ def verdict(result: dict) -> tuple[str, bool]:
       continue
     ok = ok and status in ("PASS", "OK")
     parts.append(f"{name} {status}")
+  copies = result.get("loop_copies")
+  if copies:
+    # A count, not a verdict: copies cost time, not correctness.
+    if any("error" in e for e in copies.values()):
+      parts.append("loop_copies ERROR")
+      ok = False
+    else:
+      parts.append(f"loop_copies {sum(c['count'] for e in copies.values() for c in e.values())}")
   skipped = [p["length"] for p in result.get("prefill", []) if "skipped" in p]
   note = f" (prefill skipped at {', '.join(map(str, skipped))} tokens)" if skipped else ""
   dev = result.get("device", {})
@@ -125,12 +135,13 @@ def markdown(result: dict) -> str:
       if "error" in entry:
         lines.append(f"| {batch} | – | – | – | – | – | error: {entry['error']} |")
         continue
-      for name, label in (("ar", "ar (width 1)"), ("ar_fixed", f"ar at width {shape.get('width')}"),
-                          ("dloop", f"dloop round ({shape.get('max_stages')} stages, width"
-                                    f" {shape.get('width')})")):
+      for name, label in (("ar", "ar"), ("ar_fixed", "ar"),
+                          ("dloop", f"dloop round ({shape.get('max_stages')} stages)")):
         e = entry.get(name)
         if not e:
           continue
+        # The width the loop's forwards ran at, from the runs' statistics (not the one asked).
+        label = f"{label} (width {fmt(e.get('width'), '.0f')})"
         note = "" if e.get("shared_program") else "short run compiled its own program"
         lines.append(f"| {batch} | {label} | {fmt(e.get('ms_per_iteration'), '.3f')} |"
                      f" {fmt(e.get('isolated_ms'), '.3f')} | {fmt(e.get('ratio'), '.2f', '×')} |"
@@ -152,7 +163,86 @@ def markdown(result: dict) -> str:
       else:
         lines.append(f"| {p['length']} | {p['tokens_per_s']:,.0f} | {1e3 * p['seconds']:.1f} |"
                      f" {p['compile_seconds']:.1f} |")
+  lines += _kernel_sections(result)
   return "\n".join(lines) + "\n"
+
+
+def _gib(n) -> str:
+  return "–" if n is None else f"{n / 2 ** 30:.2f} GiB"
+
+
+def _kernel_sections(result: dict) -> list[str]:
+  """The attention, long-cache, loop-copy, memory and compile-time sections."""
+  lines = []
+  attention = result.get("attention")
+  if attention is not None:
+    lines += ["", "## Prefill attention (bf16, batch 1, one prompt)", "",
+              "cuDNN flash attention (`jax.nn.dot_product_attention(implementation=\"cudnn\")`)"
+              " against the XLA path on a GPU; elsewhere XLA's `dot_product_attention` stands in"
+              " for cuDNN. max |Δ|: the largest difference of the prompt's last logits from the"
+              " XLA path's.", "",
+              "| tokens | attention | tokens/s | ms | max abs diff | compile s |",
+              "|---|---|---|---|---|---|"]
+    for e in attention:
+      if "tokens_per_s" in e:
+        lines.append(f"| {e['length']} | {e['impl']} | {e['tokens_per_s']:,.0f} |"
+                     f" {1e3 * e['seconds']:.1f} | {e['max_abs_diff']:.3g} |"
+                     f" {e['compile_seconds']:.1f} |")
+      else:
+        why = e.get("skipped") or e.get("error")
+        lines.append(f"| {e.get('length', '–')} | {e.get('impl', '–')} |"
+                     f" {'skipped' if 'skipped' in e else 'error'}: {why} | – | – | – |")
+  long_cache = result.get("long_cache")
+  if long_cache is not None:
+    lines += ["", "## Decode after a long prompt (bf16, batch 1, width 1)", "",
+              "ms per `ar` step from two runs of one program (prefill cancelled); every step"
+              " attends over the cache's whole capacity.", "",
+              "| prompt tokens | cache slots | ms / step | tokens/s | compile s |",
+              "|---|---|---|---|---|"]
+    for e in long_cache:
+      if "skipped" in e or "error" in e:
+        lines.append(f"| {e.get('context', '–')} | {'skipped' if 'skipped' in e else 'error'}:"
+                     f" {e.get('skipped') or e.get('error')} | – | – | – |")
+      else:
+        lines.append(f"| {e['context']} | {e['capacity']} | {fmt(e['ms_per_iteration'], '.3f')}"
+                     f" | {fmt(e.get('tokens_per_s'), ',.0f')} | {e['compile_seconds']:.1f} |")
+  copies = result.get("loop_copies")
+  if copies:
+    lines += ["", "## Cache copies inside the decode loops (optimized programs)", "",
+              "| programs | program | copies | where |", "|---|---|---|---|"]
+    for label, entry in copies.items():
+      if "error" in entry:
+        lines.append(f"| {label} | – | error: {entry['error']} | – |")
+        continue
+      for name, c in entry.items():
+        lines.append(f"| {label} | {name} | {c['count']} | {'; '.join(c['copies'][:4]) or '–'} |")
+  memory = result.get("memory")
+  if memory is not None:
+    lines += ["", "## Memory", "", "Peak device memory in use: "
+              + (f"{_gib(memory['peak_bytes'])} of {_gib(memory.get('limit_bytes'))}."
+                 if "peak_bytes" in memory else f"n/a ({memory['n/a']}).")]
+  compiles = compile_seconds(result)
+  if compiles:
+    lines += ["", "## Compile seconds per program", "", "| program | compile s |", "|---|---|"]
+    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in compiles]
+  return lines
+
+
+def compile_seconds(result: dict) -> list[tuple[str, float]]:
+  """(program, seconds) of every program the check compiled (0: loaded from JAX's cache or
+  shared with an earlier run of the same program; those are left out)."""
+  out = []
+  for check, by_batch in result.get("correctness", {}).items():
+    for batch, entry in by_batch.items():
+      for mode, run in entry.get("runs", {}).items():
+        out.append((f"{check} {mode}, batch {batch}", run.get("compile_seconds")))
+  for p in result.get("prefill", []):
+    out.append((f"prefill {p['length']}", p.get("compile_seconds")))
+  for e in result.get("attention", []):
+    out.append((f"prefill forward {e.get('length')}, {e.get('impl')}", e.get("compile_seconds")))
+  for e in result.get("long_cache", []):
+    out.append((f"ar after {e.get('context')} tokens", e.get("compile_seconds")))
+  return [(name, s) for name, s in out if s]
 
 
 def write(out_dir: str, result: dict) -> dict[str, str]:

@@ -58,7 +58,8 @@ def in_loop(run: Callable[[int], GenerationOutput], *, long_tokens: int, short_t
   Returns:
     {"ms_per_iteration", "iterations", "seconds", "shared_program" (the short
     call compiled nothing), "ms_per_iteration_with_prefill" (the long call
-    alone, for reference)}.
+    alone, for reference), "width" (tokens a target forward of the loop read:
+    the first row's target tokens per iteration, from the runs' statistics)}.
   """
   long = best_of(lambda: run(long_tokens), repeats=repeats, first=first)
   shorts = [run(short_tokens)]
@@ -69,7 +70,10 @@ def in_loop(run: Callable[[int], GenerationOutput], *, long_tokens: int, short_t
         else None)
   if ms is not None and ms <= 0:
     ms = None  # the calls' noise is larger than the iterations' time (tiny shapes)
-  return dict(ms_per_iteration=ms, iterations=[n_long, n_short],
+  tokens = long.rows[0].target_tokens - short.rows[0].target_tokens
+  steps = long.rows[0].rounds - short.rows[0].rounds
+  width = tokens / steps if steps > 0 else None
+  return dict(ms_per_iteration=ms, iterations=[n_long, n_short], width=width,
               seconds=[long.seconds, short.seconds], shared_program=shared,
               ms_per_iteration_with_prefill=1e3 * long.seconds / n_long if n_long else None,
               tokens_per_s=long.tokens_per_second)
@@ -109,7 +113,9 @@ def loop_speed(*, target, drafter, prompts: Sequence[Sequence[int]], plan: Plan,
   Returns:
     {"cost_ms": {width: ms}, "drafter": {"stage_ms", "commit_ms", "params"},
     and "ar", "ar_fixed", "dloop": `in_loop` with "isolated_ms" (T(1), T(W),
-    the modeled round) and "ratio" (in-loop / isolated)}.
+    the modeled round) and "ratio" (in-loop / isolated)}. "ar" runs at width 1
+    (`fixed_width=0`: a 16-bit target's `ar` otherwise runs at the profile's
+    fixed width, 16 on accelerators), as the T(1) it is set against.
   """
   shape = plan.shape
   iso = isolated(target=target, drafter=drafter, batch_size=len(prompts),
@@ -119,7 +125,7 @@ def loop_speed(*, target, drafter, prompts: Sequence[Sequence[int]], plan: Plan,
   table = iso["table"]
   out = dict(cost_ms={str(w): c for w, c in table.costs.items()}, drafter=iso["drafter"])
   for name, kwargs, first, isolated_ms in (
-      ("ar", dict(mode="ar"), None, table.costs[1]),
+      ("ar", dict(mode="ar", fixed_width=0), None, table.costs[1]),
       ("ar_fixed", fixed["ar"], runs.get("ar"), table.costs[shape.width]),
       ("dloop", fixed["dloop"], runs.get("dloop"), iso["round_ms"])):
     e = in_loop(lambda n, kw=kwargs: generate(target, prompts, max_new_tokens=n, **kw),
