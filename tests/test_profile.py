@@ -86,3 +86,25 @@ def test_qwen3_presets_have_the_published_shapes():
   assert c8.num_layers == 12 and c8.hidden_size == 4096 and not c8.tie_embeddings
   assert 8.1e9 < presets.preset_config("qwen3-8b")[0].num_params() < 8.3e9  # 8.19B
   assert [e["kind"] for e in modeled.parse_taus("paper", ["dspark"])] == ["dspark"]
+
+
+def test_budget_extrapolates_from_one_and_two_layers():
+  """`python -m infer.profile.budget` compiles 1- and 2-layer programs and extrapolates to the
+  model's depth: every layer is the same program, so a 3-layer program's bytes lie on the line.
+  (The 8B shapes of the command: the docs' table; here a tiny target in bf16.)"""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from infer.profile import budget  # pylint: disable=g-import-not-at-top
+
+  base = tiny_config(family="qwen3", qk_norm=True, vocab_size=256)
+  costs = [budget.compiled_cost(dataclasses.replace(base, num_layers=n), batch=2, capacity=96,
+                                context=64, width=1) for n in (1, 2, 3)]
+  layer = costs[1] - costs[0]
+  assert layer.bytes_accessed > 0 and layer.flops > 0
+  line = costs[0] + layer * 2
+  assert line.bytes_accessed == pytest.approx(costs[2].bytes_accessed, rel=0.02)
+  assert line.flops == pytest.approx(costs[2].flops, rel=0.02)
+  rows = [dict(model="tiny", batch=2, context=64, capacity=96, width=1, weights=1e9, cache=1e9,
+               **dataclasses.asdict(costs[2]))]
+  table = budget.markdown(rows)
+  assert "| tiny | 2 | 64 | 96 | decode (1 token) |" in table
+  assert budget.capacity_for(32768) == 49152 and budget.capacity_for(1024) == 1536

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -103,6 +103,21 @@ def loop_computations(hlo_text: str) -> set[str]:
     seen.add(name)
     todo += edges[name]
   return seen
+
+
+def unfused_instructions(hlo_text: str) -> Iterator[str]:
+  """The instruction lines of every computation that is not the body of a fusion (each
+  operation of the program once: a fusion's own instruction stands for its body)."""
+  comps = _computations(hlo_text)
+  fused = set()
+  for lines in comps.values():
+    for line in lines:
+      m = _INSTRUCTION.match(line)
+      if m and m.group(3) == "fusion":
+        fused.update(callee for how, callee in _called(line) if how == "calls")
+  for name, lines in comps.items():
+    if name not in fused:
+      yield from lines
 
 
 def shape_text(shape: Sequence[int], dtype) -> str:
