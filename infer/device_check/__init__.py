@@ -2,5 +2,7 @@
 
   checks    greedy ar = sd = dloop comparisons and the sampling smoke test
   speed     in-loop ms per step / round against isolated forwards; prefill tokens/s
+  kernels   prefill attention implementations, decode after a long prompt, peak memory,
+            cache copies in the optimized loops
   report    results.json, summary.md and the one-line verdict
 """
