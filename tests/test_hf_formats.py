@@ -676,6 +676,21 @@ def test_export_cli_converts_both_ways(target, tmp_path):
   # Our format stores bfloat16; the HF file written from it holds those values exactly.
   _assert_same_weights(drafter_io.load_drafter(ours, target=target),
                        drafter_io.load_drafter(again, target=target))
+  # Ours -> ours with int8 weights (how the shipped drafters are stored): the record travels
+  # (a shipped drafter's name and rank too), the matrices are int8 on disk.
+  info_path = os.path.join(ours, drafter_io.INFO_FILE)
+  with open(info_path) as f:
+    info = json.load(f)
+  with open(info_path, "w") as f:
+    json.dump(dict(info, name="shipped-name", rank=3, metrics={"tau": 1.5}), f)
+  small = str(tmp_path / "int8")
+  assert export_cli.main(["--drafter", ours, "--target", target_dir, "--out", small,
+                          "--weights", "int8"]) == 0
+  got = drafter_io.read_info(small)
+  assert (got["weights"], got["name"], got["rank"], got["metrics"]) == (
+      "int8", "shipped-name", 3, {"tau": 1.5})
+  assert {d["dtype"] for d in got["params"].values()} == {"int8", "bfloat16"}
+  assert drafter_io.load_drafter(small, target=target).drafter_config() == info["drafter_config"]
   # A checkpoint for another target: exit code 2 with the mismatch, no traceback.
   other, _ = eagle3_checkpoint(tmp_path / "other", taps=(0, 1, 7))
   assert export_cli.main(["--drafter", other, "--target", target_dir, "--out",
