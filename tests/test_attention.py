@@ -139,3 +139,74 @@ def test_bf16_cache_read_only_and_written_forwards_agree(tiny):
   # To f32 precision: the new keys / values are rounded to bf16 in both, not in one only.
   _close(read.logits, written.logits)
   assert model.init_cache(batch_size=1, capacity=4, dtype=jnp.float32).k[0].dtype == jnp.float32
+
+
+@pytest.fixture
+def decode_blocks(monkeypatch):
+  """`bounded_attention` reads caches in blocks of 8 slots."""
+  monkeypatch.setattr(attention, "DECODE_KEY_BLOCK", 8)
+  monkeypatch.setattr(attention, "MIN_DECODE_KEY_BLOCK", 1)
+
+
+def _cache_inputs(seed: int, *, capacity: int, num_new: int = 5, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  q = f(_B, num_new, _KV * _G, _H)
+  k_cache, v_cache = f(_B * _KV, capacity, _H), f(_B * _KV, capacity, _H)
+  k, v = f(_B, num_new, _KV, _H), f(_B, num_new, _KV, _H)
+  tree = (jnp.asarray(rng.random((_B, num_new, num_new)) < 0.4)
+          | jnp.eye(num_new, dtype=bool)[None])
+  return q, k_cache, v_cache, k, v, tree
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_bounded_attention_equals_the_dense_one(decode_blocks, masked, dtype):
+  """Written and read-only, causal and tree, rows at ragged starts (one at 0, one in the last
+  block), f32 and bf16: `bounded_attention` computes the dense forms' function."""
+  q, k_cache, v_cache, k, v, tree = _cache_inputs(int(masked), capacity=40, dtype=dtype)
+  starts = jnp.asarray([0, 9, 35])
+  block_mask = tree if masked else None
+  bounded = jax.jit(attention.bounded_attention)
+  tol = 2e-6 if dtype == jnp.float32 else 2e-2  # bf16: p rounded per block, not per row
+
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+  mask = kv_lib.attention_mask(starts=starts, num_new=5, capacity=40, block_mask=block_mask)
+  want = attention.cached_attention(q, kw, vw, mask)
+  got = bounded(q, k_cache=kw, v_cache=vw, starts=starts, block_mask=block_mask)
+  assert got.dtype == dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol)
+
+  new_mask = block_mask if masked else jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)),
+                                                        (_B, 5, 5))
+  want = attention.attention_with_new(
+      q, k, v, k_cache=k_cache, v_cache=v_cache,
+      cache_mask=kv_lib.committed_mask(starts=starts, capacity=40), new_mask=new_mask)
+  got = bounded(q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
+                new_kv=(k, v))
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol)
+
+
+def test_bounded_attention_of_a_row_ignores_other_rows_and_the_capacity(decode_blocks):
+  """The blocks past a row's end add exactly zero: its bits are the same whether another row
+  makes the loop run longer, and in a larger cache (whose blocks sit at the same slots)."""
+  q, k_cache, v_cache, k, v, _ = _cache_inputs(7, capacity=40)
+  bounded = jax.jit(attention.bounded_attention)
+  for new_kv in (None, (k, v)):
+    short = bounded(q, k_cache=k_cache, v_cache=v_cache, starts=jnp.asarray([3, 4, 2]),
+                    new_kv=new_kv)
+    long = bounded(q, k_cache=k_cache, v_cache=v_cache, starts=jnp.asarray([3, 33, 2]),
+                   new_kv=new_kv)
+    pad = ((0, 0), (0, 24), (0, 0))
+    wider = bounded(q, k_cache=jnp.pad(k_cache, pad), v_cache=jnp.pad(v_cache, pad),
+                    starts=jnp.asarray([3, 4, 2]), new_kv=new_kv)
+    for got in (long, wider):
+      np.testing.assert_array_equal(np.asarray(got)[[0, 2]], np.asarray(short)[[0, 2]])
+    assert not np.array_equal(np.asarray(long)[1], np.asarray(short)[1])
+
+
+def test_decode_key_blocks_divide_the_cache():
+  assert attention.decode_key_block(96) == 96  # one block up to DECODE_KEY_BLOCK slots
+  assert attention.decode_key_block(3072) == attention.DECODE_KEY_BLOCK
+  assert attention.decode_key_block(384) == 128  # 3 * 2^7: the common power of two
+  assert attention.decode_key_block(2 * 3 * 5 * 7 * 11) == 2 * 3 * 5 * 7 * 11  # none: one block

@@ -173,10 +173,11 @@ class DecoderLayer(nnx.Module):
 
     `k_cache` / `v_cache` [B * K, C, H] are this layer's `KVCache` arrays and
     k, v [B, T, K, H] the new tokens' keys / values. With `write_cache` the new
-    tokens go into the cache first (slots `starts + t`) and attention reads it
-    with `masks = (mask [B, T, C],)`; without, the cache is only read and comes
-    back as it was (`masks = (cache_mask [B, C], new_mask [B, T, T])`, see
-    `attention_with_new`). `masks = None` takes `attention.blockwise_attention`
+    tokens go into the cache first (slots `starts + t`) and attention reads it;
+    without, the cache is only read and comes back as it was. Short forwards
+    go to `attention.short_attention` (`masks`: the dense form's, `(mask
+    [B, T, C],)` written, `(cache_mask [B, C], new_mask [B, T, T])` read-only).
+    `masks = None` takes `attention.blockwise_attention`
     (long forwards), which builds its masks per tile from `starts` and
     `block_mask` [B, T, T] (None: causal). `groups` = (head groups, MLP
     groups): the column groups of `wqkv` / `bqkv` and of `w_gate_up` on a mesh
@@ -209,12 +210,10 @@ class DecoderLayer(nnx.Module):
         out = attention_lib.blockwise_attention(
             q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
             new_kv=None if write_cache else (k, v))
-    elif write_cache:
-      out = attention_lib.cached_attention(q, k_cache, v_cache, *masks)
     else:
-      cache_mask, new_mask = masks
-      out = attention_lib.attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
-                                             cache_mask=cache_mask, new_mask=new_mask)
+      out = attention_lib.short_attention(q, k, v, k_cache=k_cache, v_cache=v_cache,
+                                          starts=starts, block_mask=block_mask, masks=masks,
+                                          written=write_cache)
     h = h + mm(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = _split_gate_up(mm(x, self.w_gate_up[...]), groups=groups[1])
