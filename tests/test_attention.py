@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dloop_jax.models import attention
+from dloop_jax.models import attention_kernels
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import transformer
 from dloop_jax.models.transformer import Transformer
@@ -148,12 +149,13 @@ def decode_blocks(monkeypatch):
   monkeypatch.setattr(attention, "MIN_DECODE_KEY_BLOCK", 1)
 
 
-def _cache_inputs(seed: int, *, capacity: int, num_new: int = 5, dtype=jnp.float32):
+def _cache_inputs(seed: int, *, capacity: int, num_new: int = 5, dtype=jnp.float32,
+                  head_dim: int = _H):
   rng = np.random.default_rng(seed)
   f = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-  q = f(_B, num_new, _KV * _G, _H)
-  k_cache, v_cache = f(_B * _KV, capacity, _H), f(_B * _KV, capacity, _H)
-  k, v = f(_B, num_new, _KV, _H), f(_B, num_new, _KV, _H)
+  q = f(_B, num_new, _KV * _G, head_dim)
+  k_cache, v_cache = f(_B * _KV, capacity, head_dim), f(_B * _KV, capacity, head_dim)
+  k, v = f(_B, num_new, _KV, head_dim), f(_B, num_new, _KV, head_dim)
   tree = (jnp.asarray(rng.random((_B, num_new, num_new)) < 0.4)
           | jnp.eye(num_new, dtype=bool)[None])
   return q, k_cache, v_cache, k, v, tree
@@ -210,3 +212,33 @@ def test_decode_key_blocks_divide_the_cache():
   assert attention.decode_key_block(3072) == attention.DECODE_KEY_BLOCK
   assert attention.decode_key_block(384) == 128  # 3 * 2^7: the common power of two
   assert attention.decode_key_block(2 * 3 * 5 * 7 * 11) == 2 * 3 * 5 * 7 * 11  # none: one block
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_decode_kernel_in_interpret_mode_equals_the_xla_loop(masked):
+  """Pallas GPU flash decoding (interpret mode) for the committed slots, merged with the new
+  tokens' chain or tree block: GQA (3 query heads a kv head), ragged lengths, bf16; and a
+  one-token written step, the kernel alone."""
+  capacity, head = 64, 16  # the kernel splits the cache into 4 parts of one 16-slot block
+  q, k_cache, v_cache, k, v, tree = _cache_inputs(11 + masked, capacity=capacity,
+                                                  dtype=jnp.bfloat16, head_dim=head)
+  starts = jnp.asarray([0, 17, 59])
+  block_mask = tree if masked else None
+  assert attention_kernels.gpu_supports(capacity=capacity, head_dim=head)
+
+  def run(kernel, q, k_cache, v_cache, new_kv):
+    fn = functools.partial(attention.bounded_attention, starts=starts, block_mask=block_mask,
+                           new_kv=new_kv, kernel=kernel)
+    jaxpr = str(jax.make_jaxpr(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
+        q, k_cache, v_cache))
+    assert ("pallas_call" in jaxpr) == (kernel is not None)
+    return np.asarray(jax.jit(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
+        q, k_cache, v_cache), np.float32)
+
+  # bf16 operands: the kernel rounds its normalized output to bf16, the XLA loop does not.
+  read_only = [run(kernel, q, k_cache, v_cache, (k, v)) for kernel in ("gpu_interpret", None)]
+  np.testing.assert_allclose(*read_only, atol=2e-2)
+  one = q[:, :1]
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k[:, :1], v[:, :1], starts)
+  written = [run(kernel, one, kw, vw, None) for kernel in ("gpu_interpret", None)]
+  np.testing.assert_allclose(*written, atol=2e-2)

@@ -21,8 +21,10 @@ from flax import nnx
 
 from dloop_jax.decoding import generate
 from dloop_jax.decoding.engine import decode_jaxpr
+from dloop_jax.decoding.lossless import near_tie
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
+from dloop_jax.models import attention_kernels
 from dloop_jax.models.transformer import Transformer, tiny_target
 from lossless import assert_same_or_near_tie
 
@@ -119,3 +121,34 @@ def test_16_bit_free_widths_are_refused_with_the_exact_alternatives(targets, dra
   with pytest.raises(ConfigError, match="would not reproduce mode 'ar' exactly") as e:
     generate(target, _prompts(1, seed=0), mode="dloop", drafter=drafter, **options, **SHAPE)
   assert "weights='f32'" in str(e.value) and "allow_inexact=True" in str(e.value)
+
+
+def test_the_gpu_profile_kernels_in_interpret_mode_keep_ar_outputs():
+  """The `gpu` profile's attention (`attention_impl="cudnn"`) with its kernels run in Pallas's
+  interpret mode on this CPU: prefill through `jax.nn.dot_product_attention`, one-token steps
+  and read-only verifications through Pallas GPU flash decoding."""
+  # head_dim 16: the kernel's smallest; a config no other test compiles (the interpret
+  # setting is read while tracing).
+  f32 = tiny_target(seed=1, init_std=0.2, head_dim=16)
+  gpu = Transformer.from_params(f32.config, f32.flat_params(), dtype=jnp.bfloat16,
+                                weight_dtype=jnp.bfloat16, cpu_kernels=False,
+                                attention_impl="cudnn")
+  drafter = build_drafter(KINDS["block"], target=gpu, rngs=nnx.Rngs(7))
+  prompts = _prompts(2, seed=9)
+  with attention_kernels.interpret():
+    # The profile's fixed width: written 16-token forwards keep the XLA loop (bit identity).
+    ar = generate(gpu, prompts, profile="gpu", **SHAPE)
+    out = generate(gpu, prompts, mode="dloop", drafter=drafter, gate=-math.inf, profile="gpu",
+                   **SHAPE)
+    assert out.fixed_width == ar.fixed_width == 16 and out.tokens == ar.tokens
+    # Free widths: the kernel reads the committed slots.
+    free = dict(profile="gpu", fixed_width=0, allow_inexact=True, **SHAPE)
+    assert "pallas_call" in str(decode_jaxpr(gpu, prompts, mode="ar", fixed_width=0,
+                                             max_new_tokens=4, profile="gpu"))
+    ar_free = generate(gpu, prompts, **free)
+    out_free = generate(gpu, prompts, mode="dloop", drafter=drafter, gate=-math.inf,
+                        schedule="cost", **free)
+  for p, fixed, want, got in zip(prompts, ar.tokens, ar_free.tokens, out_free.tokens):
+    assert_same_or_near_tie(gpu, p, want, got, tol=near_tie(gpu))
+    # The same function, bf16 rounding aside.
+    assert_same_or_near_tie(gpu, p, fixed, want, tol=near_tie(gpu))

@@ -40,6 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dloop_jax.models import attention_kernels
 from dloop_jax.models import cpu_kernels
 
 # Attention implementations a target may be built with (`Transformer(attention_impl=)`).
@@ -410,7 +411,8 @@ def decode_key_block(capacity: int) -> int:
 
 def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
                       starts: jax.Array, block_mask: jax.Array | None = None,
-                      new_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                      new_kv: tuple[jax.Array, jax.Array] | None = None,
+                      kernel: str | None = None) -> jax.Array:
   """Attention of a short forward that reads only the cache blocks some row can see.
 
   New token t of row b sits at slot `starts[b] + t` and sees the committed
@@ -429,6 +431,12 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
   tokens are one more block after the committed ones, visible by
   `block_mask` (a chain's causal mask or a draft tree's).
 
+  With `kernel` ("gpu" / "gpu_interpret", `attention_kernels.decode_kernel`)
+  the committed slots of a read-only forward, or the whole of a one-token
+  written step, go to the Pallas GPU decode kernel instead of the XLA loop
+  (the kernel reads a length per row; see `attention_kernels` for why
+  written forwards of several tokens keep the loop).
+
   Args:
     q: [B, T, N, H] queries.
     k_cache, v_cache: [B * K, C, H] one layer's cache.
@@ -436,6 +444,7 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
     block_mask: optional [B, T, T] visibility among the new tokens.
     new_kv: the new tokens' (keys, values) [B, T, K, H] when the cache does
       not hold them; None when they were written at `starts + t`.
+    kernel: the library kernel of the committed slots (None: the XLA loop).
 
   Returns:
     [B, T, N * H] in q's dtype.
@@ -467,9 +476,16 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
       visible = visible | ((rel >= 0) & (rel < t) & _sees_new(block_mask, rel, t_idx, batch=b))
     return step(state, keys, values, visible)
 
-  seen = jnp.max(starts) + (t if new_kv is None else 0)
-  num_blocks = _ceil_div(jnp.minimum(seen, capacity), kb)
-  state = jax.lax.fori_loop(0, num_blocks, cache_block, _empty_state(nk, qg.shape[1], h))
+  if (kernel is not None and (new_kv is not None or t == 1)
+      and attention_kernels.gpu_supports(capacity=capacity, head_dim=h)):
+    lengths = starts + (0 if new_kv is not None else 1)
+    state = attention_kernels.gpu_committed(
+        qg, k_cache, v_cache, jnp.repeat(lengths, kv_heads, total_repeat_length=nk),
+        scale=scale, interpret=kernel == "gpu_interpret")
+  else:
+    seen = jnp.max(starts) + (t if new_kv is None else 0)
+    num_blocks = _ceil_div(jnp.minimum(seen, capacity), kb)
+    state = jax.lax.fori_loop(0, num_blocks, cache_block, _empty_state(nk, qg.shape[1], h))
   if new_kv is not None:
     # Rounded as the cache holds them, as `attention_with_new` does.
     kn, vn = (jnp.transpose(x, (0, 2, 1, 3)).reshape(nk, t, h).astype(c.dtype)
@@ -488,7 +504,8 @@ def dense_short_forwards() -> bool:
 
 def short_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
                     v_cache: jax.Array, starts: jax.Array, block_mask: jax.Array | None,
-                    masks: tuple[jax.Array, ...], written: bool) -> jax.Array:
+                    masks: tuple[jax.Array, ...], written: bool,
+                    impl: str = "xla") -> jax.Array:
   """Attention of a short forward (T up to `BLOCKWISE_MIN_QUERIES`) in the traced form.
 
   Args:
@@ -499,6 +516,8 @@ def short_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Ar
     masks: the dense form's masks: `(attention_mask [B, T, C],)` written,
       `(committed_mask [B, C], new_mask [B, T, T])` read-only.
     written: whether the cache holds the new tokens.
+    impl: the target's `attention_impl` (its library kernels,
+      `attention_kernels.decode_kernel`).
 
   Returns:
     [B, T, N * H].
@@ -510,4 +529,5 @@ def short_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Ar
     return attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache, cache_mask=cache_mask,
                               new_mask=new_mask)
   return bounded_attention(q, k_cache=k_cache, v_cache=v_cache, starts=starts,
-                           block_mask=block_mask, new_kv=None if written else (k, v))
+                           block_mask=block_mask, new_kv=None if written else (k, v),
+                           kernel=attention_kernels.decode_kernel(impl, k_cache.dtype))

@@ -43,6 +43,7 @@ from flax import struct
 
 from dloop_jax.errors import ModelLoadError
 from dloop_jax.models import attention as attention_lib
+from dloop_jax.models import attention_kernels as attention_kernels_lib
 from dloop_jax.models import cpu_kernels as cpu_kernels_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
@@ -200,20 +201,20 @@ class DecoderLayer(nnx.Module):
     k = rope_lib.apply_rope(k, cos, sin)
     if write_cache:
       k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
-    if masks is None:
-      if attention_impl != "xla" and write_cache and t == k_cache.shape[1]:
-        # A forward that fills the whole cache starts at slot 0 (prefill).
-        out = attention_lib.prefill_attention(
-            q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), block_mask=block_mask,
-            impl=attention_impl)
-      else:
-        out = attention_lib.blockwise_attention(
-            q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
-            new_kv=None if write_cache else (k, v))
+    prefill = attention_kernels_lib.prefill_impl(attention_impl, k_cache.dtype)
+    if prefill != "xla" and write_cache and t == k_cache.shape[1]:
+      # A forward that fills the whole cache starts at slot 0 (prefill).
+      out = attention_lib.prefill_attention(
+          q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), block_mask=block_mask,
+          impl=prefill)
+    elif masks is None:
+      out = attention_lib.blockwise_attention(
+          q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
+          new_kv=None if write_cache else (k, v))
     else:
       out = attention_lib.short_attention(q, k, v, k_cache=k_cache, v_cache=v_cache,
                                           starts=starts, block_mask=block_mask, masks=masks,
-                                          written=write_cache)
+                                          written=write_cache, impl=attention_impl)
     h = h + mm(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = _split_gate_up(mm(x, self.w_gate_up[...]), groups=groups[1])
@@ -632,7 +633,7 @@ class Transformer(nnx.Module):
     """
     t = tokens.shape[1]
     if (t > PREFILL_CHUNK and write_cache and block_mask is None and not taps_only
-        and self.attention_impl == "xla"):
+        and attention_kernels_lib.prefill_impl(self.attention_impl, cache.k[0].dtype) == "xla"):
       return self._chunked(tokens, positions=positions, cache=cache, taps=taps,
                            logit_positions=logit_positions)
     return self._forward(tokens, positions=positions, cache=cache, block_mask=block_mask,
