@@ -73,7 +73,8 @@ class Profile:
       instead of the standard one.
     attention_impl: the target's attention kernels
       (`models.attention_kernels`): "cudnn" on GPUs (cuDNN prefill, Pallas
-      flash decoding), "xla" elsewhere.
+      flash decoding), "pallas_tpu" on TPUs (Pallas paged attention), "xla"
+      on CPUs.
     why: one line on the choice, printed by the command line.
   """
 
@@ -187,7 +188,7 @@ def measured_cpu_weights(*, directory: str | None = None) -> dict | None:
 def _accelerator_profile(name: str) -> Profile:
   return Profile(name=name, dtype="bfloat16", weights="bf16",
                  fixed_width=ACCELERATOR_FIXED_WIDTH,
-                 attention_impl="cudnn" if name == "gpu" else "xla",
+                 attention_impl="cudnn" if name == "gpu" else "pallas_tpu",
                  why=f"{name.upper()}: bf16 weights, activations and KV cache; every forward"
                      f" {ACCELERATOR_FIXED_WIDTH} tokens wide")
 

@@ -242,3 +242,42 @@ def test_gpu_decode_kernel_in_interpret_mode_equals_the_xla_loop(masked):
   kw, vw = kv_lib.write_kv(k_cache, v_cache, k[:, :1], v[:, :1], starts)
   written = [run(kernel, one, kw, vw, None) for kernel in ("gpu_interpret", None)]
   np.testing.assert_allclose(*written, atol=2e-2)
+
+
+def test_tpu_paged_kernel_in_interpret_mode_equals_the_xla_loop():
+  """Pallas TPU paged attention (interpret mode) of a one-token written step: GQA, ragged
+  lengths (one row in the last page), bf16."""
+  capacity, head = 64, 16
+  q, k_cache, v_cache, k, v, _ = _cache_inputs(13, capacity=capacity, num_new=1,
+                                               dtype=jnp.bfloat16, head_dim=head)
+  starts = jnp.asarray([0, 17, 63])
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+  assert attention_kernels.tpu_supports(capacity=capacity)
+  got = {}
+  for kernel in ("tpu_interpret", None):
+    fn = lambda q, kc, vc, kernel=kernel: attention.bounded_attention(
+        q, k_cache=kc, v_cache=vc, starts=starts, kernel=kernel)
+    assert ("pallas_call" in str(jax.make_jaxpr(fn)(q, kw, vw))) == (kernel is not None)
+    got[kernel] = np.asarray(jax.jit(fn)(q, kw, vw), np.float32)
+  np.testing.assert_allclose(got["tpu_interpret"], got[None], atol=2e-2)
+
+
+def test_kernels_fall_back_to_the_xla_forms_off_their_device(monkeypatch):
+  monkeypatch.delenv("DLOOP_INTERPRET_KERNELS", raising=False)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  assert attention_kernels.prefill_impl("cudnn", bf16) == "xla"  # this CPU: no cuDNN
+  assert attention_kernels.decode_kernel("cudnn", bf16) is None
+  assert attention_kernels.decode_kernel("pallas_tpu", bf16) is None
+  with attention_kernels.interpret():
+    assert attention_kernels.prefill_impl("cudnn", bf16) == "dot_product"
+    assert attention_kernels.prefill_impl("cudnn", f32) == "xla"  # 16-bit operands only
+    assert attention_kernels.decode_kernel("cudnn", bf16) == "gpu_interpret"
+    assert attention_kernels.decode_kernel("pallas_tpu", bf16) == "tpu_interpret"
+    assert attention_kernels.decode_kernel("cudnn", f32) is None
+    assert attention_kernels.decode_kernel("xla", bf16) is None
+  monkeypatch.setenv("DLOOP_INTERPRET_KERNELS", "1")
+  assert attention_kernels.decode_kernel("cudnn", bf16) == "gpu_interpret"
+  assert not attention_kernels.gpu_supports(capacity=64, head_dim=8)  # Triton: 16 at least
+  assert not attention_kernels.gpu_supports(capacity=24, head_dim=64)  # no 16-slot blocks
+  assert attention_kernels._gpu_blocks(96) == (16, 2)  # noqa: SLF001
+  assert attention_kernels._gpu_blocks(49152) == (128, 16)  # noqa: SLF001

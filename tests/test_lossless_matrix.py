@@ -123,32 +123,33 @@ def test_16_bit_free_widths_are_refused_with_the_exact_alternatives(targets, dra
   assert "weights='f32'" in str(e.value) and "allow_inexact=True" in str(e.value)
 
 
-def test_the_gpu_profile_kernels_in_interpret_mode_keep_ar_outputs():
+def test_the_accelerator_profiles_kernels_in_interpret_mode_keep_ar_outputs():
   """The `gpu` profile's attention (`attention_impl="cudnn"`) with its kernels run in Pallas's
   interpret mode on this CPU: prefill through `jax.nn.dot_product_attention`, one-token steps
-  and read-only verifications through Pallas GPU flash decoding."""
-  # head_dim 16: the kernel's smallest; a config no other test compiles (the interpret
+  and read-only verifications through Pallas GPU flash decoding; the `tpu` profile's one-token
+  steps through Pallas TPU paged attention. At free widths (the profiles' fixed width keeps
+  the XLA loop: `models.attention_kernels`)."""
+  # head_dim 16: the GPU kernel's smallest; a config no other test compiles (the interpret
   # setting is read while tracing).
   f32 = tiny_target(seed=1, init_std=0.2, head_dim=16)
-  gpu = Transformer.from_params(f32.config, f32.flat_params(), dtype=jnp.bfloat16,
-                                weight_dtype=jnp.bfloat16, cpu_kernels=False,
-                                attention_impl="cudnn")
+  models = {impl: Transformer.from_params(f32.config, f32.flat_params(), dtype=jnp.bfloat16,
+                                          weight_dtype=jnp.bfloat16, cpu_kernels=False,
+                                          attention_impl=impl)
+            for impl in ("cudnn", "pallas_tpu")}
+  gpu, tpu = models["cudnn"], models["pallas_tpu"]
   drafter = build_drafter(KINDS["block"], target=gpu, rngs=nnx.Rngs(7))
   prompts = _prompts(2, seed=9)
+  shape = dict(SHAPE, max_new_tokens=10, fixed_width=0, allow_inexact=True)
   with attention_kernels.interpret():
-    # The profile's fixed width: written 16-token forwards keep the XLA loop (bit identity).
-    ar = generate(gpu, prompts, profile="gpu", **SHAPE)
-    out = generate(gpu, prompts, mode="dloop", drafter=drafter, gate=-math.inf, profile="gpu",
-                   **SHAPE)
-    assert out.fixed_width == ar.fixed_width == 16 and out.tokens == ar.tokens
-    # Free widths: the kernel reads the committed slots.
-    free = dict(profile="gpu", fixed_width=0, allow_inexact=True, **SHAPE)
-    assert "pallas_call" in str(decode_jaxpr(gpu, prompts, mode="ar", fixed_width=0,
-                                             max_new_tokens=4, profile="gpu"))
-    ar_free = generate(gpu, prompts, **free)
-    out_free = generate(gpu, prompts, mode="dloop", drafter=drafter, gate=-math.inf,
-                        schedule="cost", **free)
-  for p, fixed, want, got in zip(prompts, ar.tokens, ar_free.tokens, out_free.tokens):
+    for target, profile in ((gpu, "gpu"), (tpu, "tpu")):
+      assert "pallas_call" in str(decode_jaxpr(target, prompts, mode="ar", fixed_width=0,
+                                               max_new_tokens=4, profile=profile))
+    ar = generate(gpu, prompts, profile="gpu", **shape)
+    # Widths 3 and 5 (one or two stages): verifications only read the cache (`lax.switch`).
+    out = generate(gpu, prompts, mode="dloop", drafter=drafter, gate=-math.inf,
+                   schedule="off", profile="gpu", **shape)
+    ar_tpu = generate(tpu, prompts, profile="tpu", **shape)
+  assert sum(r.verified for r in out.rows) > 0
+  for p, want, got, tpu_got in zip(prompts, ar.tokens, out.tokens, ar_tpu.tokens):
     assert_same_or_near_tie(gpu, p, want, got, tol=near_tie(gpu))
-    # The same function, bf16 rounding aside.
-    assert_same_or_near_tie(gpu, p, fixed, want, tol=near_tie(gpu))
+    assert_same_or_near_tie(gpu, p, want, tpu_got, tol=near_tie(gpu))

@@ -44,7 +44,7 @@ from dloop_jax.models import attention_kernels
 from dloop_jax.models import cpu_kernels
 
 # Attention implementations a target may be built with (`Transformer(attention_impl=)`).
-ATTENTION_IMPLS = ("xla", "cudnn", "dot_product")
+ATTENTION_IMPLS = ("xla", "cudnn", "dot_product", "pallas_tpu")
 
 # Forwards with more new tokens than this use `blockwise_attention`. Decode
 # steps, verifications and trees stay below it, so their arithmetic (and the
@@ -431,11 +431,12 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
   tokens are one more block after the committed ones, visible by
   `block_mask` (a chain's causal mask or a draft tree's).
 
-  With `kernel` ("gpu" / "gpu_interpret", `attention_kernels.decode_kernel`)
-  the committed slots of a read-only forward, or the whole of a one-token
-  written step, go to the Pallas GPU decode kernel instead of the XLA loop
-  (the kernel reads a length per row; see `attention_kernels` for why
-  written forwards of several tokens keep the loop).
+  With `kernel` (`attention_kernels.decode_kernel`) a library kernel reads
+  the cache instead of the XLA loop: "gpu" the committed slots of a read-only
+  forward, or the whole of a one-token written step (Pallas GPU flash
+  decoding); "tpu" a one-token written step (Pallas TPU paged attention).
+  Both read a length per row; see `attention_kernels` for why written
+  forwards of several tokens keep the loop.
 
   Args:
     q: [B, T, N, H] queries.
@@ -476,7 +477,13 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
       visible = visible | ((rel >= 0) & (rel < t) & _sees_new(block_mask, rel, t_idx, batch=b))
     return step(state, keys, values, visible)
 
-  if (kernel is not None and (new_kv is not None or t == 1)
+  if (kernel in ("tpu", "tpu_interpret") and new_kv is None and t == 1
+      and attention_kernels.tpu_supports(capacity=capacity)):
+    out = attention_kernels.tpu_step(
+        qg, k_cache, v_cache, jnp.repeat(starts + 1, kv_heads, total_repeat_length=nk),
+        scale=scale, interpret=kernel == "tpu_interpret")
+    return _ungroup(out.astype(q.dtype), batch=b, num_new=t)
+  if (kernel in ("gpu", "gpu_interpret") and (new_kv is not None or t == 1)
       and attention_kernels.gpu_supports(capacity=capacity, head_dim=h)):
     lengths = starts + (0 if new_kv is not None else 1)
     state = attention_kernels.gpu_committed(

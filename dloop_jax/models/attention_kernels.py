@@ -9,14 +9,26 @@
                                                      tokens' own block (16-bit caches)
     "dot_product"    `jax.nn.dot_product_attention`  as "xla"
                      (implementation="xla")
+    "pallas_tpu"     as "xla"                        one-token steps: Pallas TPU
+                                                     `paged_attention` (the cache's
+                                                     slots as pages, a length per row;
+                                                     16-bit caches); the rest as "xla"
 
-"cudnn" is the `gpu` profile's. Its kernels compile for a GPU only: on
-another backend a "cudnn" target runs the "xla" forms (the reference they are
-tested against, at the CPU's speed and memory), unless `interpret(True)` (or
-`$DLOOP_INTERPRET_KERNELS=1`) asks for the kernels' code paths: then prefill
-takes `jax.nn.dot_product_attention`'s XLA implementation (cuDNN has no
+"cudnn" is the `gpu` profile's, "pallas_tpu" the `tpu` profile's. Their
+kernels compile for their device only: on another backend such a target runs
+the "xla" forms (the reference they are tested against, at the CPU's speed
+and memory), unless `interpret(True)` (or `$DLOOP_INTERPRET_KERNELS=1`) asks
+for the kernels' code paths: then prefill takes
+`jax.nn.dot_product_attention`'s XLA implementation (cuDNN has no
 interpreter) and the Pallas kernels run in Pallas's interpret mode (slowly:
 tests and tiny targets).
+
+The TPU paged kernel returns normalized outputs without their softmax
+statistics, so it cannot be merged with a separate block of new tokens: it
+serves the one-token steps, where the new token is in the cache; the splash
+and ragged paged kernels are not used (splash masks its blocks from a static
+mask, not from per-row lengths; this JAX's ragged paged kernel reads keys
+and values interleaved in one array, which the cache does not hold).
 
 Where the library kernels do not reach, the XLA forms stay:
 - A written short forward of more than one token (every forward of a
@@ -94,12 +106,15 @@ def prefill_impl(impl: str, cache_dtype) -> str:
 
 
 def decode_kernel(impl: str, cache_dtype) -> str | None:
-  """The library kernel of short forwards: "gpu" (compiled), "gpu_interpret", or None (XLA)."""
-  if impl != "cudnn" or not _half(cache_dtype):
+  """The library kernel of short forwards: "gpu" / "tpu" (compiled), "gpu_interpret" /
+  "tpu_interpret", or None (the XLA forms)."""
+  device = {"cudnn": "gpu", "pallas_tpu": "tpu"}.get(impl)
+  if device is None or not _half(cache_dtype):
     return None
-  if _on_gpu():
-    return "gpu"
-  return "gpu_interpret" if interpreting() else None
+  on_device = _on_gpu() if device == "gpu" else jax.default_backend() == "tpu"
+  if on_device:
+    return device
+  return f"{device}_interpret" if interpreting() else None
 
 
 def _gpu_blocks(capacity: int) -> tuple[int, int] | None:
@@ -149,3 +164,57 @@ def gpu_committed(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
       block_k=block_k, k_splits=k_splits, interpret=interpret, return_residuals=True)
   # `out` is normalized: the unnormalized sum is out * l.
   return m, l, out.astype(jnp.float32) * l[..., None]
+
+
+# Slots per page of the TPU paged kernel's view of the cache, and at most this
+# many pages per kernel block.
+TPU_PAGE = 64
+TPU_PAGES_PER_BLOCK = 8
+
+
+def _tpu_pages(capacity: int) -> tuple[int, int] | None:
+  """(page size, pages per compute block) over `capacity` slots, or None."""
+  page = math.gcd(capacity, TPU_PAGE)
+  if page < _GPU_MIN_BLOCK:
+    return None
+  return page, math.gcd(capacity // page, TPU_PAGES_PER_BLOCK)
+
+
+def tpu_supports(*, capacity: int) -> bool:
+  """Whether the TPU paged kernel takes a cache of `capacity` slots."""
+  return _tpu_pages(capacity) is not None
+
+
+def tpu_step(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *,
+             scale: float, interpret: bool) -> jax.Array:
+  """Normalized attention of one-token queries over each (row, kv head)'s first `lengths` slots.
+
+  Pallas TPU paged attention: each (row, kv head) is a sequence of one kv
+  head whose pages are its own slots in order (a reshape of the cache, no
+  copy), and the kernel reads only the pages below its length.
+
+  Args:
+    qg: [B * K, G, H] queries grouped per (row, kv head).
+    k_cache, v_cache: [B * K, C, H] one layer's cache (16-bit).
+    lengths: [B * K] slots each pair sees (>= 1).
+    scale: the softmax scale.
+    interpret: run in Pallas's TPU interpret mode.
+
+  Returns:
+    [B * K, G, H] f32.
+  """
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # pylint: disable=g-import-not-at-top
+  pairs, capacity, head = k_cache.shape
+  page, per_block = _tpu_pages(capacity)
+  pages = capacity // page
+  view = lambda x: x.reshape(1, pairs * pages, page, head)
+  indices = jnp.arange(pairs * pages, dtype=jnp.int32).reshape(pairs, pages)
+  # The kernel does not scale: the queries carry it.
+  q = (qg.astype(jnp.float32) * scale).astype(k_cache.dtype)
+  call = lambda: paged_attention(q, view(k_cache), view(v_cache), lengths.astype(jnp.int32),
+                                 indices, pages_per_compute_block=per_block)
+  if interpret:
+    with pltpu.force_tpu_interpret_mode():
+      return call().astype(jnp.float32)
+  return call().astype(jnp.float32)

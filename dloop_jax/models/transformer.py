@@ -429,8 +429,8 @@ class Transformer(nnx.Module):
         learn.
       cache_dtype: the KV cache's dtype (None = `dtype`); bf16 halves the
         bytes a decode step reads from the cache.
-      attention_impl: "xla" (default), "cudnn" or "dot_product"; see
-        `attention.ATTENTION_IMPLS`.
+      attention_impl: "xla" (default), "cudnn", "dot_product" or "pallas_tpu"; see
+        `models.attention_kernels`.
       cpu_kernels: write forwards in XLA:CPU's forms (True), in the standard
         form (False), or as this process's backend wants (None); see
         `models.cpu_kernels`. It decides how 16-bit matrices are stored.
