@@ -207,6 +207,18 @@ def test_bounded_attention_of_a_row_ignores_other_rows_and_the_capacity(decode_b
     assert not np.array_equal(np.asarray(long)[1], np.asarray(short)[1])
 
 
+def test_xla_cpu_keeps_dense_scores_where_they_were_measured_faster():
+  from dloop_jax.models import cpu_kernels  # pylint: disable=g-import-not-at-top
+  dense = lambda capacity, pairs=3: attention.dense_short_forwards(
+      capacity=capacity, pairs=pairs, queries=3)
+  with cpu_kernels.use(True):
+    assert dense(1024) and dense(2112)  # small; a growing cache's 64-slot steps
+    assert not dense(3072) and not dense(8192)
+    assert dense(3072, pairs=96)  # slot-major batched decoding
+  with cpu_kernels.use(False):  # the standard form: always bounded
+    assert not dense(64) and not dense(2112)
+
+
 def test_decode_key_blocks_divide_the_cache():
   assert attention.decode_key_block(96) == 96  # one block up to DECODE_KEY_BLOCK slots
   assert attention.decode_key_block(3072) == attention.DECODE_KEY_BLOCK

@@ -13,10 +13,11 @@ the form the forward is written in (`models.cpu_kernels`):
         tree mask) last, merged by the same online softmax.
       XLA:CPU form: one score matrix [B, K, G, T, C] over every slot of the
         cache (`cached_attention`, or `attention_with_new` when the forward
-        only reads the cache), measured faster there at the capacities the
-        engine uses (docs/design.md §Choices for XLA:CPU): the engine sizes
-        the cache close to the context (capacity buckets, and a ladder of
-        capacities in `decoding.engine.cache_ladder`).
+        only reads the cache), measured faster there for caches the engine
+        sized close to the context (capacity buckets, and a ladder of
+        capacities in `decoding.engine.cache_ladder`) up to
+        `CPU_BOUNDED_MIN_CAPACITY` slots; larger ones take
+        `bounded_attention` there too (`dense_short_forwards`).
     Either way one fixed shape keeps a forward's arithmetic the same in
     every decoding mode: a row's result depends on its own visible slots
     only, never on other rows' lengths.
@@ -504,9 +505,30 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
   return _ungroup((acc / l[..., None]).astype(q.dtype), batch=b, num_new=t)
 
 
-def dense_short_forwards() -> bool:
-  """Whether short forwards take the dense score matrix (XLA:CPU's form) or `bounded_attention`."""
-  return cpu_kernels.active()
+# XLA:CPU runs the loop of `bounded_attention` (a few small products per key
+# block, a carried state) slower than one product over every slot of a cache
+# the engine sized close to the context: up to this capacity, at capacities
+# that are no multiple of `DECODE_KEY_BLOCK` (a growing cache's 64-slot steps
+# give small blocks) and in slot-major batched decoding, its short forwards
+# keep the dense scores. In larger caches skipping the slots past the longest
+# row pays (SmolLM2-135M, f32, a 2,000-token context: the loop 0.96x the
+# dense step at 3,072 slots, 0.58x at 8,192; 1.19x at a growing cache's 2,112
+# slots in blocks of 64; docs/accelerators.md).
+CPU_BOUNDED_MIN_CAPACITY = 2048
+
+
+def dense_short_forwards(*, capacity: int, pairs: int, queries: int) -> bool:
+  """Whether a short forward takes the dense scores (XLA:CPU's form) or `bounded_attention`.
+
+  Args:
+    capacity: C, the cache's slots.
+    pairs: B * K (row, kv head) pairs.
+    queries: G * T queries per pair.
+  """
+  if not cpu_kernels.active():
+    return False
+  return (capacity < CPU_BOUNDED_MIN_CAPACITY or decode_key_block(capacity) != DECODE_KEY_BLOCK
+          or _slot_major(pairs=pairs, queries=queries))
 
 
 def short_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
@@ -529,7 +551,9 @@ def short_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Ar
   Returns:
     [B, T, N * H].
   """
-  if dense_short_forwards():
+  b, t, n, _ = q.shape
+  pairs, capacity, _ = k_cache.shape
+  if dense_short_forwards(capacity=capacity, pairs=pairs, queries=n // (pairs // b) * t):
     if written:
       return cached_attention(q, k_cache, v_cache, *masks)
     cache_mask, new_mask = masks
