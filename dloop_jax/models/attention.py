@@ -511,9 +511,10 @@ def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
 # that are no multiple of `DECODE_KEY_BLOCK` (a growing cache's 64-slot steps
 # give small blocks) and in slot-major batched decoding, its short forwards
 # keep the dense scores. In larger caches skipping the slots past the longest
-# row pays (SmolLM2-135M, f32, a 2,000-token context: the loop 0.96x the
-# dense step at 3,072 slots, 0.58x at 8,192; 1.19x at a growing cache's 2,112
-# slots in blocks of 64; docs/accelerators.md).
+# row pays (SmolLM2-135M, f32, a 2,000-token context, one-token steps: the
+# loop 0.88-0.96x the dense step at 3,072 slots, 0.58-0.72x at 8,192, and
+# 1.12-1.19x at a growing cache's 2,112 slots in blocks of 64;
+# docs/accelerators.md).
 CPU_BOUNDED_MIN_CAPACITY = 2048
 
 
