@@ -479,6 +479,12 @@ class Transformer(nnx.Module):
     return self.layout.mesh if self.layout is not None else None
 
   @property
+  def _attention(self) -> str:
+    """The attention its forwards trace: on a mesh the XLA forms, which GSPMD splits like the
+    cache (the library kernels would need `shard_map`)."""
+    return self.attention_impl if self.layout is None else "xla"
+
+  @property
   def _groups(self) -> tuple[int, int]:
     lay = self.layout
     return (lay.head_groups, lay.mlp_groups) if lay is not None else (1, 1)
@@ -633,7 +639,7 @@ class Transformer(nnx.Module):
     """
     t = tokens.shape[1]
     if (t > PREFILL_CHUNK and write_cache and block_mask is None and not taps_only
-        and attention_kernels_lib.prefill_impl(self.attention_impl, cache.k[0].dtype) == "xla"):
+        and attention_kernels_lib.prefill_impl(self._attention, cache.k[0].dtype) == "xla"):
       return self._chunked(tokens, positions=positions, cache=cache, taps=taps,
                            logit_positions=logit_positions)
     return self._forward(tokens, positions=positions, cache=cache, block_mask=block_mask,
@@ -712,7 +718,7 @@ class Transformer(nnx.Module):
       h, k_cache, v_cache, k, v = layer(
           h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
           starts=starts, masks=masks, block_mask=block_mask, write_cache=write_cache,
-          groups=self._groups, attention_impl=self.attention_impl)
+          groups=self._groups, attention_impl=self._attention)
       k_caches.append(k_cache)
       v_caches.append(v_cache)
       new_kv.append((k, v))
