@@ -71,6 +71,10 @@ class Profile:
     cpu_kernels: whether forwards take XLA:CPU's forms (out-major 16-bit
       matrices, padded one-row products, barriers; `models.cpu_kernels`)
       instead of the standard one.
+    attention_impl: the target's attention kernels
+      (`models.attention_kernels`): "cudnn" on GPUs (cuDNN prefill, Pallas
+      flash decoding), "pallas_tpu" on TPUs (Pallas paged attention), "xla"
+      on CPUs.
     why: one line on the choice, printed by the command line.
   """
 
@@ -80,6 +84,7 @@ class Profile:
   fixed_width: int
   max_stages: int = DEFAULT_MAX_STAGES
   cpu_kernels: bool = False
+  attention_impl: str = "xla"
   why: str = ""
 
 
@@ -183,6 +188,7 @@ def measured_cpu_weights(*, directory: str | None = None) -> dict | None:
 def _accelerator_profile(name: str) -> Profile:
   return Profile(name=name, dtype="bfloat16", weights="bf16",
                  fixed_width=ACCELERATOR_FIXED_WIDTH,
+                 attention_impl="cudnn" if name == "gpu" else "pallas_tpu",
                  why=f"{name.upper()}: bf16 weights, activations and KV cache; every forward"
                      f" {ACCELERATOR_FIXED_WIDTH} tokens wide")
 

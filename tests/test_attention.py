@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dloop_jax.models import attention
+from dloop_jax.models import attention_kernels
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import transformer
 from dloop_jax.models.transformer import Transformer
@@ -139,3 +140,156 @@ def test_bf16_cache_read_only_and_written_forwards_agree(tiny):
   # To f32 precision: the new keys / values are rounded to bf16 in both, not in one only.
   _close(read.logits, written.logits)
   assert model.init_cache(batch_size=1, capacity=4, dtype=jnp.float32).k[0].dtype == jnp.float32
+
+
+@pytest.fixture
+def decode_blocks(monkeypatch):
+  """`bounded_attention` reads caches in blocks of 8 slots."""
+  monkeypatch.setattr(attention, "DECODE_KEY_BLOCK", 8)
+  monkeypatch.setattr(attention, "MIN_DECODE_KEY_BLOCK", 1)
+
+
+def _cache_inputs(seed: int, *, capacity: int, num_new: int = 5, dtype=jnp.float32,
+                  head_dim: int = _H):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  q = f(_B, num_new, _KV * _G, head_dim)
+  k_cache, v_cache = f(_B * _KV, capacity, head_dim), f(_B * _KV, capacity, head_dim)
+  k, v = f(_B, num_new, _KV, head_dim), f(_B, num_new, _KV, head_dim)
+  tree = (jnp.asarray(rng.random((_B, num_new, num_new)) < 0.4)
+          | jnp.eye(num_new, dtype=bool)[None])
+  return q, k_cache, v_cache, k, v, tree
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_bounded_attention_equals_the_dense_one(decode_blocks, masked, dtype):
+  """Written and read-only, causal and tree, rows at ragged starts (one at 0, one in the last
+  block), f32 and bf16: `bounded_attention` computes the dense forms' function."""
+  q, k_cache, v_cache, k, v, tree = _cache_inputs(int(masked), capacity=40, dtype=dtype)
+  starts = jnp.asarray([0, 9, 35])
+  block_mask = tree if masked else None
+  bounded = jax.jit(attention.bounded_attention)
+  tol = 2e-6 if dtype == jnp.float32 else 2e-2  # bf16: p rounded per block, not per row
+
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+  mask = kv_lib.attention_mask(starts=starts, num_new=5, capacity=40, block_mask=block_mask)
+  want = attention.cached_attention(q, kw, vw, mask)
+  got = bounded(q, k_cache=kw, v_cache=vw, starts=starts, block_mask=block_mask)
+  assert got.dtype == dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol)
+
+  new_mask = block_mask if masked else jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)),
+                                                        (_B, 5, 5))
+  want = attention.attention_with_new(
+      q, k, v, k_cache=k_cache, v_cache=v_cache,
+      cache_mask=kv_lib.committed_mask(starts=starts, capacity=40), new_mask=new_mask)
+  got = bounded(q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
+                new_kv=(k, v))
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol)
+
+
+def test_bounded_attention_of_a_row_ignores_other_rows_and_the_capacity(decode_blocks):
+  """The blocks past a row's end add exactly zero: its bits are the same whether another row
+  makes the loop run longer, and in a larger cache (whose blocks sit at the same slots)."""
+  q, k_cache, v_cache, k, v, _ = _cache_inputs(7, capacity=40)
+  bounded = jax.jit(attention.bounded_attention)
+  for new_kv in (None, (k, v)):
+    short = bounded(q, k_cache=k_cache, v_cache=v_cache, starts=jnp.asarray([3, 4, 2]),
+                    new_kv=new_kv)
+    long = bounded(q, k_cache=k_cache, v_cache=v_cache, starts=jnp.asarray([3, 33, 2]),
+                   new_kv=new_kv)
+    pad = ((0, 0), (0, 24), (0, 0))
+    wider = bounded(q, k_cache=jnp.pad(k_cache, pad), v_cache=jnp.pad(v_cache, pad),
+                    starts=jnp.asarray([3, 4, 2]), new_kv=new_kv)
+    for got in (long, wider):
+      np.testing.assert_array_equal(np.asarray(got)[[0, 2]], np.asarray(short)[[0, 2]])
+    assert not np.array_equal(np.asarray(long)[1], np.asarray(short)[1])
+
+
+def test_xla_cpu_keeps_dense_scores_where_they_were_measured_faster():
+  from dloop_jax.models import cpu_kernels  # pylint: disable=g-import-not-at-top
+  dense = lambda capacity, pairs=3: attention.dense_short_forwards(
+      capacity=capacity, pairs=pairs, queries=3)
+  with cpu_kernels.use(True):
+    assert dense(1024) and dense(2112)  # small; a growing cache's 64-slot steps
+    assert not dense(3072) and not dense(8192)
+    assert dense(3072, pairs=96)  # slot-major batched decoding
+  with cpu_kernels.use(False):  # the standard form: always bounded
+    assert not dense(64) and not dense(2112)
+
+
+def test_decode_key_blocks_divide_the_cache():
+  assert attention.decode_key_block(96) == 96  # one block up to DECODE_KEY_BLOCK slots
+  assert attention.decode_key_block(3072) == attention.DECODE_KEY_BLOCK
+  assert attention.decode_key_block(384) == 128  # 3 * 2^7: the common power of two
+  assert attention.decode_key_block(2 * 3 * 5 * 7 * 11) == 2 * 3 * 5 * 7 * 11  # none: one block
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_decode_kernel_in_interpret_mode_equals_the_xla_loop(masked):
+  """Pallas GPU flash decoding (interpret mode) for the committed slots, merged with the new
+  tokens' chain or tree block: GQA (3 query heads a kv head), ragged lengths, bf16; and a
+  one-token written step, the kernel alone."""
+  capacity, head = 64, 16  # the kernel splits the cache into 4 parts of one 16-slot block
+  q, k_cache, v_cache, k, v, tree = _cache_inputs(11 + masked, capacity=capacity,
+                                                  dtype=jnp.bfloat16, head_dim=head)
+  starts = jnp.asarray([0, 17, 59])
+  block_mask = tree if masked else None
+  assert attention_kernels.gpu_supports(capacity=capacity, head_dim=head)
+
+  def run(kernel, q, k_cache, v_cache, new_kv):
+    fn = functools.partial(attention.bounded_attention, starts=starts, block_mask=block_mask,
+                           new_kv=new_kv, kernel=kernel)
+    jaxpr = str(jax.make_jaxpr(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
+        q, k_cache, v_cache))
+    assert ("pallas_call" in jaxpr) == (kernel is not None)
+    return np.asarray(jax.jit(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
+        q, k_cache, v_cache), np.float32)
+
+  # bf16 operands: the kernel rounds its normalized output to bf16, the XLA loop does not.
+  read_only = [run(kernel, q, k_cache, v_cache, (k, v)) for kernel in ("gpu_interpret", None)]
+  np.testing.assert_allclose(*read_only, atol=2e-2)
+  one = q[:, :1]
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k[:, :1], v[:, :1], starts)
+  written = [run(kernel, one, kw, vw, None) for kernel in ("gpu_interpret", None)]
+  np.testing.assert_allclose(*written, atol=2e-2)
+
+
+def test_tpu_paged_kernel_in_interpret_mode_equals_the_xla_loop():
+  """Pallas TPU paged attention (interpret mode) of a one-token written step: GQA, ragged
+  lengths (one row in the last page), bf16."""
+  capacity, head = 64, 16
+  q, k_cache, v_cache, k, v, _ = _cache_inputs(13, capacity=capacity, num_new=1,
+                                               dtype=jnp.bfloat16, head_dim=head)
+  starts = jnp.asarray([0, 17, 63])
+  kw, vw = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+  assert attention_kernels.tpu_supports(capacity=capacity)
+  got = {}
+  for kernel in ("tpu_interpret", None):
+    fn = lambda q, kc, vc, kernel=kernel: attention.bounded_attention(
+        q, k_cache=kc, v_cache=vc, starts=starts, kernel=kernel)
+    assert ("pallas_call" in str(jax.make_jaxpr(fn)(q, kw, vw))) == (kernel is not None)
+    got[kernel] = np.asarray(jax.jit(fn)(q, kw, vw), np.float32)
+  np.testing.assert_allclose(got["tpu_interpret"], got[None], atol=2e-2)
+
+
+def test_kernels_fall_back_to_the_xla_forms_off_their_device(monkeypatch):
+  monkeypatch.delenv("DLOOP_INTERPRET_KERNELS", raising=False)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  assert attention_kernels.prefill_impl("cudnn", bf16) == "xla"  # this CPU: no cuDNN
+  assert attention_kernels.decode_kernel("cudnn", bf16) is None
+  assert attention_kernels.decode_kernel("pallas_tpu", bf16) is None
+  with attention_kernels.interpret():
+    assert attention_kernels.prefill_impl("cudnn", bf16) == "dot_product"
+    assert attention_kernels.prefill_impl("cudnn", f32) == "xla"  # 16-bit operands only
+    assert attention_kernels.decode_kernel("cudnn", bf16) == "gpu_interpret"
+    assert attention_kernels.decode_kernel("pallas_tpu", bf16) == "tpu_interpret"
+    assert attention_kernels.decode_kernel("cudnn", f32) is None
+    assert attention_kernels.decode_kernel("xla", bf16) is None
+  monkeypatch.setenv("DLOOP_INTERPRET_KERNELS", "1")
+  assert attention_kernels.decode_kernel("cudnn", bf16) == "gpu_interpret"
+  assert not attention_kernels.gpu_supports(capacity=64, head_dim=8)  # Triton: 16 at least
+  assert not attention_kernels.gpu_supports(capacity=24, head_dim=64)  # no 16-slot blocks
+  assert attention_kernels._gpu_blocks(96) == (16, 2)  # noqa: SLF001
+  assert attention_kernels._gpu_blocks(49152) == (128, 16)  # noqa: SLF001

@@ -51,6 +51,9 @@ def test_load_target_in_bf16(tmp_path):
   np.testing.assert_array_equal(bf16.flat_params()["embed"],
                                 f32.flat_params()["embed"].astype(jnp.bfloat16))
   assert near_tie(bf16) == NEAR_TIE_BF16 and near_tie(f32) < NEAR_TIE_BF16
+  assert bf16.attention_impl == "xla"  # this CPU's profile
+  gpu = load_target(hf_dir, profile="gpu").model
+  assert (gpu.attention_impl, gpu.dtype) == ("cudnn", jnp.bfloat16)
   tokens = jnp.asarray([[3, 5, 7, 11, 13]], jnp.int32)
   out = jax.eval_shape(lambda: bf16(tokens, positions=jnp.arange(5)[None],
                                     cache=bf16.init_cache(batch_size=1, capacity=8)))

@@ -80,6 +80,9 @@ def test_16_bit_targets_at_free_widths_are_refused(options, match):
 def test_profiles_resolve_by_name_backend_and_environment(monkeypatch):
   assert profiles.resolve("gpu").dtype == "bfloat16"
   assert profiles.resolve("tpu").weights == "bf16"
+  # Attention kernels (`models.attention_kernels`): cuDNN / Pallas GPU, Pallas TPU, XLA.
+  assert [profiles.resolve(p).attention_impl for p in ("gpu", "tpu", "cpu")] == [
+      "cudnn", "pallas_tpu", "xla"]
   cpu = profiles.resolve("cpu")
   assert cpu.dtype == "float32"
   assert cpu.weights == ("bf16" if profiles.cpu_has_amx() else "f32")

@@ -21,8 +21,10 @@ from flax import nnx
 
 from dloop_jax.decoding import generate
 from dloop_jax.decoding.engine import decode_jaxpr
+from dloop_jax.decoding.lossless import near_tie
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
+from dloop_jax.models import attention_kernels
 from dloop_jax.models.transformer import Transformer, tiny_target
 from lossless import assert_same_or_near_tie
 
@@ -119,3 +121,35 @@ def test_16_bit_free_widths_are_refused_with_the_exact_alternatives(targets, dra
   with pytest.raises(ConfigError, match="would not reproduce mode 'ar' exactly") as e:
     generate(target, _prompts(1, seed=0), mode="dloop", drafter=drafter, **options, **SHAPE)
   assert "weights='f32'" in str(e.value) and "allow_inexact=True" in str(e.value)
+
+
+def test_the_accelerator_profiles_kernels_in_interpret_mode_keep_ar_outputs():
+  """The `gpu` profile's attention (`attention_impl="cudnn"`) with its kernels run in Pallas's
+  interpret mode on this CPU: prefill through `jax.nn.dot_product_attention`, one-token steps
+  and read-only verifications through Pallas GPU flash decoding; the `tpu` profile's one-token
+  steps through Pallas TPU paged attention. At free widths (the profiles' fixed width keeps
+  the XLA loop: `models.attention_kernels`)."""
+  # head_dim 16: the GPU kernel's smallest; a config no other test compiles (the interpret
+  # setting is read while tracing).
+  f32 = tiny_target(seed=1, init_std=0.2, head_dim=16)
+  models = {impl: Transformer.from_params(f32.config, f32.flat_params(), dtype=jnp.bfloat16,
+                                          weight_dtype=jnp.bfloat16, cpu_kernels=False,
+                                          attention_impl=impl)
+            for impl in ("cudnn", "pallas_tpu")}
+  gpu, tpu = models["cudnn"], models["pallas_tpu"]
+  drafter = build_drafter(KINDS["block"], target=gpu, rngs=nnx.Rngs(7))
+  prompts = _prompts(2, seed=9)
+  shape = dict(SHAPE, max_new_tokens=10, fixed_width=0, allow_inexact=True)
+  with attention_kernels.interpret():
+    for target, profile in ((gpu, "gpu"), (tpu, "tpu")):
+      assert "pallas_call" in str(decode_jaxpr(target, prompts, mode="ar", fixed_width=0,
+                                               max_new_tokens=4, profile=profile))
+    ar = generate(gpu, prompts, profile="gpu", **shape)
+    # Widths 3 and 5 (one or two stages): verifications only read the cache (`lax.switch`).
+    out = generate(gpu, prompts, mode="dloop", drafter=drafter, gate=-math.inf,
+                   schedule="off", profile="gpu", **shape)
+    ar_tpu = generate(tpu, prompts, profile="tpu", **shape)
+  assert sum(r.verified for r in out.rows) > 0
+  for p, want, got, tpu_got in zip(prompts, ar.tokens, out.tokens, ar_tpu.tokens):
+    assert_same_or_near_tie(gpu, p, want, got, tol=near_tie(gpu))
+    assert_same_or_near_tie(gpu, p, want, tpu_got, tol=near_tie(gpu))

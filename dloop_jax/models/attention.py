@@ -1,15 +1,26 @@
 """Attention of a target's new tokens over its KV cache.
 
-Three formulations of the same function, chosen by the shape of a forward:
+Formulations of the same function, chosen by the shape of a forward and by
+the form the forward is written in (`models.cpu_kernels`):
 
   short forwards (decode steps, verification of drafts and trees, T up to
-    `BLOCKWISE_MIN_QUERIES` new tokens): one score matrix [B, K, G, T, C]
-    over every slot of the cache (`cached_attention`, or
-    `attention_with_new` when the forward only reads the cache). A decode
-    step reads all C slots of the cache it is given: the engine grows the
-    cache through a ladder of capacities (`decoding.engine.cache_ladder`), so
-    C stays within a small factor of the committed length, and one fixed
-    shape keeps a forward's arithmetic the same in every decoding mode.
+    `BLOCKWISE_MIN_QUERIES` new tokens):
+      standard form (accelerator profiles): `bounded_attention`, an online
+        softmax over key blocks of the cache whose trip count stops at the
+        block of the longest row's last visible slot: work and score memory
+        grow with the committed length, not with the capacity. A forward
+        that only reads the cache adds the new tokens' own block (chain or
+        tree mask) last, merged by the same online softmax.
+      XLA:CPU form: one score matrix [B, K, G, T, C] over every slot of the
+        cache (`cached_attention`, or `attention_with_new` when the forward
+        only reads the cache), measured faster there for caches the engine
+        sized close to the context (capacity buckets, and a ladder of
+        capacities in `decoding.engine.cache_ladder`) up to
+        `CPU_BOUNDED_MIN_CAPACITY` slots; larger ones take
+        `bounded_attention` there too (`dense_short_forwards`).
+    Either way one fixed shape keeps a forward's arithmetic the same in
+    every decoding mode: a row's result depends on its own visible slots
+    only, never on other rows' lengths.
   long forwards (prefill, drafter data builds): `blockwise_attention`, an
     online softmax over key blocks of query blocks. Memory is O(T * block),
     not O(T * C), and a query block only visits the key blocks it can see
@@ -18,20 +29,23 @@ Three formulations of the same function, chosen by the shape of a forward:
     go to `jax.nn.dot_product_attention` (cuDNN flash attention on GPU);
     "dot_product" is the same call with XLA's implementation, its CPU twin.
 
-Masks of long forwards are built per (query block, key block) tile from the
-rows' starts (and from the tile's part of `block_mask`), never as a dense
-[T, C] boolean.
+Masks of long forwards and of `bounded_attention` are built per key block
+from the rows' starts (and from the block's part of `block_mask`), never as a
+dense [T, C] boolean.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from dloop_jax.models import attention_kernels
 from dloop_jax.models import cpu_kernels
 
 # Attention implementations a target may be built with (`Transformer(attention_impl=)`).
-ATTENTION_IMPLS = ("xla", "cudnn", "dot_product")
+ATTENTION_IMPLS = ("xla", "cudnn", "dot_product", "pallas_tpu")
 
 # Forwards with more new tokens than this use `blockwise_attention`. Decode
 # steps, verifications and trees stay below it, so their arithmetic (and the
@@ -53,6 +67,48 @@ def use_blockwise(num_new: int) -> bool:
 
 def _ceil_div(a, b):
   return (a + b - 1) // b
+
+
+def _empty_state(pairs: int, queries: int, head_dim: int):
+  """(running max, normalizer, weighted sum of values) of an online softmax, before any key.
+
+  The finite floor of the max keeps exp(m - m_new) defined before a row saw a key.
+  """
+  return (jnp.full((pairs, queries), jnp.finfo(jnp.float32).min, jnp.float32),
+          jnp.zeros((pairs, queries), jnp.float32),
+          jnp.zeros((pairs, queries, head_dim), jnp.float32))
+
+
+def _online_step(state, s: jax.Array, v: jax.Array):
+  """One key block of an online softmax: scores s [n, q, kb] (f32, -inf where hidden), v [n, kb, H].
+
+  A block every one of whose keys is hidden from a query adds exactly nothing
+  to that query's state (p = 0, alpha = 1): a row's result does not depend
+  on how many trailing blocks other rows made the loop run.
+  """
+  m, l, acc = state  # [n, q], [n, q], [n, q, H]
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  p = jnp.exp(s - m_new[..., None])
+  alpha = jnp.exp(m - m_new)
+  l = alpha * l + jnp.sum(p, axis=-1)
+  acc = alpha[..., None] * acc + jnp.einsum(
+      "nqk,nkh->nqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_new, l, acc
+
+
+def _sees_new(block_mask: jax.Array | None, rel: jax.Array, t_idx: jax.Array, *,
+              batch: int) -> jax.Array:
+  """[B, q, k] whether new token t_idx [q] sees new token rel [B or 1, 1, k] (valid in 0..T-1).
+
+  Causal when `block_mask` [B, T, T] is None; out-of-range `rel` gives an
+  arbitrary answer the caller masks.
+  """
+  if block_mask is None:
+    return rel <= t_idx[None, :, None]
+  t = block_mask.shape[1]
+  rows = jnp.take(block_mask, jnp.minimum(t_idx, t - 1), axis=1)  # [B, q, T]
+  rel = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (batch, t_idx.shape[0], rel.shape[-1]))
+  return jnp.take_along_axis(rows, rel, axis=2)
 
 
 def blockwise_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
@@ -105,35 +161,21 @@ def blockwise_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
     kn, vn = jnp.pad(kn, pad), jnp.pad(vn, pad)
 
   def allowed(rel, t_idx):
-    """[B, qb, kb] whether new token t_idx [qb] sees new token rel [B, 1, kb] (in 0..T-1)."""
-    if block_mask is None:
-      return rel <= t_idx[None, :, None]
-    rows = jnp.take(block_mask, jnp.minimum(t_idx, t - 1), axis=1)  # [B, qb, T]
-    rel = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (b, qb, rel.shape[-1]))
-    return jnp.take_along_axis(rows, rel, axis=2)
+    return _sees_new(block_mask, rel, t_idx, batch=b)
 
   def update(state, q_i, k_j, v_j, visible):
     """One key tile: k_j, v_j [B * K, kb, H]; visible [B, qb, kb] (None: all)."""
-    m, l, acc = state  # [B * K, G * qb], same, [B * K, G * qb, H]
     s = jnp.einsum("nqh,nkh->nqk", q_i, k_j, preferred_element_type=jnp.float32)
     if visible is not None:
       s = s.reshape(b, kv_heads, g, qb, -1)
       s = jnp.where(visible[:, None, None], s, -jnp.inf).reshape(nk, g * qb, -1)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    alpha = jnp.exp(m - m_new)
-    l = alpha * l + jnp.sum(p, axis=-1)
-    acc = alpha[..., None] * acc + jnp.einsum(
-        "nqk,nkh->nqh", p.astype(compute), v_j, preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    return _online_step(state, s, v_j)
 
   def one_query_block(i):
     q_i = jax.lax.dynamic_slice_in_dim(qg, i * qb, qb, axis=2).reshape(nk, g * qb, h)
     t_idx = i * qb + jnp.arange(qb)
     last_new = jnp.minimum((i + 1) * qb, t) if block_mask is None else t
-    # The finite floor keeps exp(m - m_new) defined before a row saw a key.
-    state = (jnp.full((nk, g * qb), jnp.finfo(jnp.float32).min, jnp.float32),
-             jnp.zeros((nk, g * qb), jnp.float32), jnp.zeros((nk, g * qb, h), jnp.float32))
+    state = _empty_state(nk, g * qb, h)
 
     def full_block(j, state):
       k_j = jax.lax.dynamic_slice_in_dim(k_cache, j * kb, kb, axis=1)
@@ -348,3 +390,176 @@ def attention_with_new(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax
   return _ungroup(out, batch=b, num_new=t)
 
 
+
+
+# Key block of `bounded_attention`. Over a cache whose capacity is a multiple
+# of it, the slots fall into the same blocks at every capacity, so a row gets
+# the same bits whatever the capacity; other capacities take the largest
+# common power-of-two divisor (the engine's capacity buckets, 2^k and
+# 3 * 2^(k-1), give a block of at least a third of the cache), or, below
+# `MIN_DECODE_KEY_BLOCK`, one block of the whole cache.
+DECODE_KEY_BLOCK = 256
+MIN_DECODE_KEY_BLOCK = 16
+
+
+def decode_key_block(capacity: int) -> int:
+  """The key block `bounded_attention` reads a cache of `capacity` slots in (divides it)."""
+  if capacity <= DECODE_KEY_BLOCK:
+    return capacity
+  block = math.gcd(capacity, DECODE_KEY_BLOCK)
+  return block if block >= MIN_DECODE_KEY_BLOCK else capacity
+
+
+def bounded_attention(q: jax.Array, *, k_cache: jax.Array, v_cache: jax.Array,
+                      starts: jax.Array, block_mask: jax.Array | None = None,
+                      new_kv: tuple[jax.Array, jax.Array] | None = None,
+                      kernel: str | None = None) -> jax.Array:
+  """Attention of a short forward that reads only the cache blocks some row can see.
+
+  New token t of row b sits at slot `starts[b] + t` and sees the committed
+  slots (`j < starts[b]`) and the new tokens `block_mask[b, t]` allows
+  (causal when None), as `kv_cache.attention_mask` describes. An online
+  softmax runs over key blocks of `decode_key_block(C)` slots, from slot 0 to
+  the block of the last slot any row sees (`max(starts) + T` written,
+  `max(starts)` read-only): the work and the f32 scores grow with the
+  longest committed length, not with the capacity. Blocks sit at fixed slots
+  and every block is masked per slot, so a token's result depends only on the
+  slots it sees: a token reads the same blocks in the same order whether it
+  is verified among drafts or decoded alone (the bit-identity of decoding
+  modes at a fixed width), and blocks past its row's end add exactly zero.
+
+  Read-only (`new_kv` given: slots at and past `starts` are stale), the new
+  tokens are one more block after the committed ones, visible by
+  `block_mask` (a chain's causal mask or a draft tree's).
+
+  With `kernel` (`attention_kernels.decode_kernel`) a library kernel reads
+  the cache instead of the XLA loop: "gpu" the committed slots of a read-only
+  forward, or the whole of a one-token written step (Pallas GPU flash
+  decoding); "tpu" a one-token written step (Pallas TPU paged attention).
+  Both read a length per row; see `attention_kernels` for why written
+  forwards of several tokens keep the loop.
+
+  Args:
+    q: [B, T, N, H] queries.
+    k_cache, v_cache: [B * K, C, H] one layer's cache.
+    starts: [B] slot of each row's first new token.
+    block_mask: optional [B, T, T] visibility among the new tokens.
+    new_kv: the new tokens' (keys, values) [B, T, K, H] when the cache does
+      not hold them; None when they were written at `starts + t`.
+    kernel: the library kernel of the committed slots (None: the XLA loop).
+
+  Returns:
+    [B, T, N * H] in q's dtype.
+  """
+  b, t, _, h = q.shape
+  nk, capacity, _ = k_cache.shape
+  kv_heads = nk // b
+  kb = decode_key_block(capacity)
+  qg = _group_queries(q, kv_heads)  # [B * K, G * T, H]
+  scale = h ** -0.5
+  t_idx = jnp.arange(t)
+
+  def step(state, keys, values, visible):
+    """keys, values [B * K, k, H]; visible [B, T or 1, k]."""
+    s = _f32_einsum("nch,nqh->nqc", keys, qg) * scale
+    s = s.reshape(b, kv_heads, -1, t, keys.shape[1])
+    s = jnp.where(visible[:, None, None], s, -jnp.inf).reshape(nk, -1, keys.shape[1])
+    return _online_step(state, s, values)
+
+  def cache_block(j, state):
+    lo = j * kb
+    keys = jax.lax.dynamic_slice_in_dim(k_cache, lo, kb, axis=1)
+    values = jax.lax.dynamic_slice_in_dim(v_cache, lo, kb, axis=1)
+    slots = (lo + jnp.arange(kb))[None, None, :]  # [1, 1, kb]
+    start = starts[:, None, None]
+    visible = slots < start  # [B, 1, kb]
+    if new_kv is None:
+      rel = slots - start
+      visible = visible | ((rel >= 0) & (rel < t) & _sees_new(block_mask, rel, t_idx, batch=b))
+    return step(state, keys, values, visible)
+
+  if (kernel in ("tpu", "tpu_interpret") and new_kv is None and t == 1
+      and attention_kernels.tpu_supports(capacity=capacity)):
+    out = attention_kernels.tpu_step(
+        qg, k_cache, v_cache, jnp.repeat(starts + 1, kv_heads, total_repeat_length=nk),
+        scale=scale, interpret=kernel == "tpu_interpret")
+    return _ungroup(out.astype(q.dtype), batch=b, num_new=t)
+  if (kernel in ("gpu", "gpu_interpret") and (new_kv is not None or t == 1)
+      and attention_kernels.gpu_supports(capacity=capacity, head_dim=h)):
+    lengths = starts + (0 if new_kv is not None else 1)
+    state = attention_kernels.gpu_committed(
+        qg, k_cache, v_cache, jnp.repeat(lengths, kv_heads, total_repeat_length=nk),
+        scale=scale, interpret=kernel == "gpu_interpret")
+  else:
+    seen = jnp.max(starts) + (t if new_kv is None else 0)
+    num_blocks = _ceil_div(jnp.minimum(seen, capacity), kb)
+    state = jax.lax.fori_loop(0, num_blocks, cache_block, _empty_state(nk, qg.shape[1], h))
+  if new_kv is not None:
+    # Rounded as the cache holds them, as `attention_with_new` does.
+    kn, vn = (jnp.transpose(x, (0, 2, 1, 3)).reshape(nk, t, h).astype(c.dtype)
+              for x, c in zip(new_kv, (k_cache, v_cache)))
+    rel = jnp.arange(t)[None, None, :]
+    state = step(state, kn, vn, _sees_new(block_mask, rel, t_idx, batch=b))
+  _, l, acc = state
+  # Every new token sees itself: l > 0.
+  return _ungroup((acc / l[..., None]).astype(q.dtype), batch=b, num_new=t)
+
+
+# XLA:CPU runs the loop of `bounded_attention` (a few small products per key
+# block, a carried state) slower than one product over every slot of a cache
+# the engine sized close to the context: up to this capacity, at capacities
+# that are no multiple of `DECODE_KEY_BLOCK` (a growing cache's 64-slot steps
+# give small blocks) and in slot-major batched decoding, its short forwards
+# keep the dense scores. In larger caches skipping the slots past the longest
+# row pays (SmolLM2-135M, f32, a 2,000-token context, one-token steps: the
+# loop 0.88-0.96x the dense step at 3,072 slots, 0.58-0.72x at 8,192, and
+# 1.12-1.19x at a growing cache's 2,112 slots in blocks of 64;
+# docs/accelerators.md).
+CPU_BOUNDED_MIN_CAPACITY = 2048
+
+
+def dense_short_forwards(*, capacity: int, pairs: int, queries: int) -> bool:
+  """Whether a short forward takes the dense scores (XLA:CPU's form) or `bounded_attention`.
+
+  Args:
+    capacity: C, the cache's slots.
+    pairs: B * K (row, kv head) pairs.
+    queries: G * T queries per pair.
+  """
+  if not cpu_kernels.active():
+    return False
+  return (capacity < CPU_BOUNDED_MIN_CAPACITY or decode_key_block(capacity) != DECODE_KEY_BLOCK
+          or _slot_major(pairs=pairs, queries=queries))
+
+
+def short_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, k_cache: jax.Array,
+                    v_cache: jax.Array, starts: jax.Array, block_mask: jax.Array | None,
+                    masks: tuple[jax.Array, ...], written: bool,
+                    impl: str = "xla") -> jax.Array:
+  """Attention of a short forward (T up to `BLOCKWISE_MIN_QUERIES`) in the traced form.
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, T, K, H] the new tokens' keys / values.
+    k_cache, v_cache: [B * K, C, H], holding the new tokens at `starts + t`
+      when `written`.
+    starts: [B]; block_mask: optional [B, T, T] (None: causal).
+    masks: the dense form's masks: `(attention_mask [B, T, C],)` written,
+      `(committed_mask [B, C], new_mask [B, T, T])` read-only.
+    written: whether the cache holds the new tokens.
+    impl: the target's `attention_impl` (its library kernels,
+      `attention_kernels.decode_kernel`).
+
+  Returns:
+    [B, T, N * H].
+  """
+  b, t, n, _ = q.shape
+  pairs, capacity, _ = k_cache.shape
+  if dense_short_forwards(capacity=capacity, pairs=pairs, queries=n // (pairs // b) * t):
+    if written:
+      return cached_attention(q, k_cache, v_cache, *masks)
+    cache_mask, new_mask = masks
+    return attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache, cache_mask=cache_mask,
+                              new_mask=new_mask)
+  return bounded_attention(q, k_cache=k_cache, v_cache=v_cache, starts=starts,
+                           block_mask=block_mask, new_kv=None if written else (k, v),
+                           kernel=attention_kernels.decode_kernel(impl, k_cache.dtype))

@@ -171,7 +171,9 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
     profile: "cpu", "gpu", "tpu" or None (this backend's): where `dtype` and
       `weights` are not given, they come from it (`python -m infer` uses the
       same defaults); it also picks the forwards' product forms
-      (`models.cpu_kernels`: XLA:CPU's for "cpu", the standard one else).
+      (`models.cpu_kernels`: XLA:CPU's for "cpu", the standard one else)
+      and attention kernels (`models.attention_kernels`: cuDNN and Pallas
+      for "gpu").
 
   Returns:
     A `LoadedTarget`.
@@ -218,5 +220,6 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
         f"The tokenizer in {path!r} has {base_vocab} tokens but the model's vocabulary only"
         f" {config.vocab_size}; they do not belong to the same model.")
   model = Transformer.from_params(config, params, dtype=dtype, weight_dtype=stored, source=path,
-                                 mesh=mesh, cpu_kernels=resolved.cpu_kernels)
+                                 mesh=mesh, cpu_kernels=resolved.cpu_kernels,
+                                 attention_impl=resolved.attention_impl)
   return LoadedTarget(model=model, config=config, tokenizer=tokenizer, source=path, name=name)

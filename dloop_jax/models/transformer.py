@@ -43,6 +43,7 @@ from flax import struct
 
 from dloop_jax.errors import ModelLoadError
 from dloop_jax.models import attention as attention_lib
+from dloop_jax.models import attention_kernels as attention_kernels_lib
 from dloop_jax.models import cpu_kernels as cpu_kernels_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
@@ -173,10 +174,11 @@ class DecoderLayer(nnx.Module):
 
     `k_cache` / `v_cache` [B * K, C, H] are this layer's `KVCache` arrays and
     k, v [B, T, K, H] the new tokens' keys / values. With `write_cache` the new
-    tokens go into the cache first (slots `starts + t`) and attention reads it
-    with `masks = (mask [B, T, C],)`; without, the cache is only read and comes
-    back as it was (`masks = (cache_mask [B, C], new_mask [B, T, T])`, see
-    `attention_with_new`). `masks = None` takes `attention.blockwise_attention`
+    tokens go into the cache first (slots `starts + t`) and attention reads it;
+    without, the cache is only read and comes back as it was. Short forwards
+    go to `attention.short_attention` (`masks`: the dense form's, `(mask
+    [B, T, C],)` written, `(cache_mask [B, C], new_mask [B, T, T])` read-only).
+    `masks = None` takes `attention.blockwise_attention`
     (long forwards), which builds its masks per tile from `starts` and
     `block_mask` [B, T, T] (None: causal). `groups` = (head groups, MLP
     groups): the column groups of `wqkv` / `bqkv` and of `w_gate_up` on a mesh
@@ -199,22 +201,20 @@ class DecoderLayer(nnx.Module):
     k = rope_lib.apply_rope(k, cos, sin)
     if write_cache:
       k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
-    if masks is None:
-      if attention_impl != "xla" and write_cache and t == k_cache.shape[1]:
-        # A forward that fills the whole cache starts at slot 0 (prefill).
-        out = attention_lib.prefill_attention(
-            q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), block_mask=block_mask,
-            impl=attention_impl)
-      else:
-        out = attention_lib.blockwise_attention(
-            q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
-            new_kv=None if write_cache else (k, v))
-    elif write_cache:
-      out = attention_lib.cached_attention(q, k_cache, v_cache, *masks)
+    prefill = attention_kernels_lib.prefill_impl(attention_impl, k_cache.dtype)
+    if prefill != "xla" and write_cache and t == k_cache.shape[1]:
+      # A forward that fills the whole cache starts at slot 0 (prefill).
+      out = attention_lib.prefill_attention(
+          q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), block_mask=block_mask,
+          impl=prefill)
+    elif masks is None:
+      out = attention_lib.blockwise_attention(
+          q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
+          new_kv=None if write_cache else (k, v))
     else:
-      cache_mask, new_mask = masks
-      out = attention_lib.attention_with_new(q, k, v, k_cache=k_cache, v_cache=v_cache,
-                                             cache_mask=cache_mask, new_mask=new_mask)
+      out = attention_lib.short_attention(q, k, v, k_cache=k_cache, v_cache=v_cache,
+                                          starts=starts, block_mask=block_mask, masks=masks,
+                                          written=write_cache, impl=attention_impl)
     h = h + mm(out, self.wo[...])
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = _split_gate_up(mm(x, self.w_gate_up[...]), groups=groups[1])
@@ -429,8 +429,8 @@ class Transformer(nnx.Module):
         learn.
       cache_dtype: the KV cache's dtype (None = `dtype`); bf16 halves the
         bytes a decode step reads from the cache.
-      attention_impl: "xla" (default), "cudnn" or "dot_product"; see
-        `attention.ATTENTION_IMPLS`.
+      attention_impl: "xla" (default), "cudnn", "dot_product" or "pallas_tpu"; see
+        `models.attention_kernels`.
       cpu_kernels: write forwards in XLA:CPU's forms (True), in the standard
         form (False), or as this process's backend wants (None); see
         `models.cpu_kernels`. It decides how 16-bit matrices are stored.
@@ -477,6 +477,12 @@ class Transformer(nnx.Module):
   def mesh(self) -> jax.sharding.Mesh | None:
     """The mesh the weights are split over (None: one device)."""
     return self.layout.mesh if self.layout is not None else None
+
+  @property
+  def _attention(self) -> str:
+    """The attention its forwards trace: on a mesh the XLA forms, which GSPMD splits like the
+    cache (the library kernels would need `shard_map`)."""
+    return self.attention_impl if self.layout is None else "xla"
 
   @property
   def _groups(self) -> tuple[int, int]:
@@ -633,7 +639,7 @@ class Transformer(nnx.Module):
     """
     t = tokens.shape[1]
     if (t > PREFILL_CHUNK and write_cache and block_mask is None and not taps_only
-        and self.attention_impl == "xla"):
+        and attention_kernels_lib.prefill_impl(self._attention, cache.k[0].dtype) == "xla"):
       return self._chunked(tokens, positions=positions, cache=cache, taps=taps,
                            logit_positions=logit_positions)
     return self._forward(tokens, positions=positions, cache=cache, block_mask=block_mask,
@@ -712,7 +718,7 @@ class Transformer(nnx.Module):
       h, k_cache, v_cache, k, v = layer(
           h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
           starts=starts, masks=masks, block_mask=block_mask, write_cache=write_cache,
-          groups=self._groups, attention_impl=self.attention_impl)
+          groups=self._groups, attention_impl=self._attention)
       k_caches.append(k_cache)
       v_caches.append(v_cache)
       new_kv.append((k, v))
