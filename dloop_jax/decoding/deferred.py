@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 # Tokens remembered before the memory is committed (K, static): a pause of 8
 # rounds plus the token of the drafting round before it. Longer pauses (the
-# default back-off reaches 64 rounds, `engine.DEFAULT_DRAFT_BACKOFF`) are cut
+# default back-off reaches 64 rounds, `config.DEFAULT_DRAFT_BACKOFF`) are cut
 # into pieces of K; a wider K would make every catch-up forward wider, also the
 # frequent ones after a single fruitless drafting round.
 CAPACITY = 9
