@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 
 
 def _precision(args) -> tuple[str | None, str | None]:
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
   enable_compilation_cache()
 
   from dloop_jax import prompt_files
+  from dloop_jax.decoding import arguments
   from dloop_jax.decoding import config as config_lib
   from dloop_jax.decoding import flags
   from dloop_jax.decoding import generate
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
   try:
     # The options alone first: a bad value fails before the target loads.
     config_lib.check(flags.config(args, mode=args.mode or "dloop"))
+    arguments.validate_max_new_tokens(args.max_new_tokens)
     # Prompts first: a bad file fails before the target loads.
     if args.prompts_file:
       prompts = prompt_files.read_prompts(args.prompts_file)
@@ -148,11 +151,15 @@ def main(argv=None) -> int:
     # One prompt per call; on a mesh, batches of one row per data shard (the
     # last padded with copies of its last prompt, whose outputs are dropped).
     rows_per_call = mesh.shape["data"] if mesh is not None else 1
+    noted = set()
     for start in range(0, len(encoded), rows_per_call):
       batch = encoded[start:start + rows_per_call]
-      out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
-                     max_new_tokens=args.max_new_tokens, drafter=drafter, config=config,
-                     seed=args.seed, stop_tokens=stop)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
+                       max_new_tokens=args.max_new_tokens, drafter=drafter, config=config,
+                       seed=args.seed, stop_tokens=stop)
+      _note(caught, noted)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
                 drafter=drafter, tok=tok, target=target.model, looks_up=looks_up)
@@ -160,6 +167,19 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
+
+
+def _note(caught, noted: set) -> None:
+  """The warnings of a generate() call: the assumed cost table as one line of its own
+  (once), the others as Python shows them."""
+  from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  for w in caught:
+    if issubclass(w.category, costs_lib.AssumedCostsWarning):
+      if w.category not in noted:
+        print(f"note: {w.message}", file=sys.stderr)
+        noted.add(w.category)
+    else:
+      warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up) -> None:

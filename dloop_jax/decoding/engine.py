@@ -549,6 +549,12 @@ def _bucket(n: int, *, minimum: int = 16) -> int:
   return power * 3 // 4 if power * 3 // 4 >= n and power >= 4 else power
 
 
+def prompt_width(longest: int) -> int:
+  """The width a batch whose longest prompt has `longest` tokens is padded to: with the
+  cache capacity it follows from, what a compiled program is specialized to."""
+  return _bucket(longest)
+
+
 def _prepare(
     target: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -597,7 +603,7 @@ def _prepare(
   is_ar = mode == "ar"
   s_max = 1 if is_ar else int(max_stages)
   gamma = 0 if is_ar else int(block_size)
-  tp = _bucket(longest)
+  tp = prompt_width(longest)
   # Room past the last token for the widest write: a verification, or the
   # drafter's commit of a pause (`deferred`), which starts before the end.
   capacity = _bucket(

@@ -328,6 +328,7 @@ def main(argv=None) -> int:
   enable_compilation_cache()
 
   from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
@@ -436,11 +437,17 @@ def main(argv=None) -> int:
     methods += _peers(args, source=target.source, pad_token_id=tok.pad_token_id,
                       threads=threads, common=dict(common, sampling=sampling))
 
+    # Prompts of one program shape together: the programs of a group are freed before the
+    # next group's compile (`clear_compiled`), so that many methods over many shapes do
+    # not hold every compiled program at once (each holds memory mappings, of which a
+    # process may have only so many: vm.max_map_count).
+    # The sort is stable: within a group, the prompts' order.
+    ordered = sorted(prompts, key=lambda pair: engine.prompt_width(len(pair[1])))
     # Warm-up: compile our programs for the first prompt's shapes, warm up torch.
     _log(f"[bench] warm-up of {len(methods)} methods")
     first_compile = {}
     for m in methods:
-      first_compile[m.label] = m.run(prompts[0][1]).compile_seconds
+      first_compile[m.label] = m.run(ordered[0][1]).compile_seconds
 
     # Each output's reference: our ar on the same weights, at the same fixed width
     # if any (bit-identical outputs).
@@ -448,7 +455,9 @@ def main(argv=None) -> int:
       return getattr(m, "weights", ""), getattr(m, "fixed_width", 0)
 
     records = []
-    for i, (p, ids) in enumerate(prompts):
+    for i, (p, ids) in enumerate(ordered):
+      if i and engine.prompt_width(len(ids)) != engine.prompt_width(len(ordered[i - 1][1])):
+        engine.clear_compiled()  # the previous group's programs do not run again
       runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
       ar_tokens = {ar_key(m): rec["tokens"] for m, rec in zip(methods, recs)
