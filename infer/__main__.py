@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
   try:
     # The options alone first: a bad value fails before the target loads.
-    config_lib.check(flags.config(args, mode=args.mode or "dloop"))
+    flags.check(flags.config(args, mode=args.mode or "dloop"))
     arguments.validate_max_new_tokens(args.max_new_tokens)
     # Prompts first: a bad file fails before the target loads.
     if args.prompts_file:

@@ -116,7 +116,7 @@ def _parse(argv):
   try:
     args.decoding = engine_eval.decoding(flags.given(args))
   except ValueError as e:  # a ConfigError naming the flag's field
-    p.error(str(e).replace("eval.decoding: ", ""))
+    p.error(flags.as_flags(str(e).replace("eval.decoding: ", "")))
   return args
 
 

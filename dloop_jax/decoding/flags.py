@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding.config import DecodingConfig
+from dloop_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +160,21 @@ def config(args: argparse.Namespace, *, base: DecodingConfig | None = None,
     changes["sampling"] = dataclasses.replace(base.sampling, **sampling)
   changes.update(fixed)
   return base.replace(**changes)
+
+
+def check(config: DecodingConfig) -> None:
+  """`config.check`, its ConfigError naming the command-line flags rather than the fields."""
+  try:
+    config_lib.check(config)
+  except ConfigError as e:
+    raise ConfigError(as_flags(str(e))) from None
+
+
+def as_flags(message: str) -> str:
+  """`message` with the decoding fields it names written as their flags (--max-stages)."""
+  names = "|".join(sorted(FLAGS, key=len, reverse=True))
+  return re.sub(rf"(?<![\w-])({names})(?![\w])",
+                lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def sampling_config(args: argparse.Namespace) -> sampling_lib.SamplingConfig:

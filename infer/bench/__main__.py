@@ -251,25 +251,19 @@ def _our_methods(args, *, base, target, drafters, weights: str, modes, schedules
   for this target and drafter is left out with the refusal in one line.
   """
   from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
-  from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
-  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
 
   common = dict(common, target=target, weights=weights)
   methods = []
 
-  def add(config, drafter=None, label="") -> bool:
+  def add(config, drafter=None, label="") -> None:
     """Adds the method of `config`, unless resolve refuses it (then logs why)."""
-    try:
-      config_lib.resolve(config, target=target, drafter=drafter)
-    except DLoopError as e:
-      name = methods_lib.Ours(decoding=config, target=target, **{
-          k: v for k, v in common.items() if k != "target"}).method_name
-      _log(f"[bench] {label + ': ' if label else ''}{name} skipped: {e}")
-      return False
-    methods.append(methods_lib.Ours(decoding=config, drafter=drafter, drafter_label=label,
-                                    **common))
-    return True
+    method = methods_lib.Ours(decoding=config, drafter=drafter, drafter_label=label, **common)
+    refusal = _refusal(config, target=target, drafter=drafter)
+    if refusal:
+      _log(f"[bench] {label + ': ' if label else ''}{method.method_name} skipped: {refusal}")
+    else:
+      methods.append(method)
 
   # A 16-bit target's rows at free widths are marked, not refused (`generate(allow_inexact=)`).
   free = base.replace(fixed_width=0, allow_inexact=arguments.is_16_bit(target))
@@ -306,20 +300,22 @@ def _our_methods(args, *, base, target, drafters, weights: str, modes, schedules
         # size: the loop the width verifies whole, python -m infer's default at W = 5).
         candidates = [base.replace(mode=mode, schedule="off", fixed_width=w, lookup=lookup)
                       for w in fixed_widths]
-        fits = next((c for c in candidates if _resolves(c, target=target, drafter=d)), None)
-        add(fits or candidates[-1], d, label)
+        fits = next((c for c in candidates
+                     if not _refusal(c, target=target, drafter=d)), candidates[-1])
+        add(fits, d, label)
   return methods
 
 
-def _resolves(config, *, target, drafter) -> bool:
-  """Whether `decoding.config.resolve` takes `config` for `target` and `drafter`."""
+def _refusal(config, *, target, drafter) -> str:
+  """Why `decoding.config.resolve` refuses `config` for `target` and `drafter` ("": it
+  does not)."""
   from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   try:
     config_lib.resolve(config, target=target, drafter=drafter)
-  except DLoopError:
-    return False
-  return True
+  except DLoopError as e:
+    return str(e)
+  return ""
 
 
 def main(argv=None) -> int:
@@ -327,7 +323,6 @@ def main(argv=None) -> int:
   from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
   enable_compilation_cache()
 
-  from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
@@ -341,7 +336,7 @@ def main(argv=None) -> int:
 
   try:
     base = flags.config(args)  # the decoding flags given, on DecodingConfig's defaults
-    config_lib.check(base.replace(mode="dloop"))
+    flags.check(base.replace(mode="dloop"))
     sampling = base.sampling
     per_category = 3 if args.quick else args.prompts_per_category
     if per_category < 1:
