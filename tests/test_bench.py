@@ -13,7 +13,7 @@ import pytest
 
 from dloop_jax.decoding import DecodingConfig
 from dloop_jax.errors import ConfigError
-from infer.bench import prompts as prompts_lib
+from dloop_jax.data import bench_prompts as prompts_lib
 from infer.bench import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -34,7 +34,7 @@ from nbclient import NotebookClient
 import model_fixtures
 from dloop_jax import profiles
 from dloop_jax.models import load_target
-from infer.bench import prompts as prompts_lib
+from dloop_jax.data import bench_prompts as prompts_lib
 from lossless import assert_same_or_near_tie
 
 pytestmark = pytest.mark.real_model

@@ -30,16 +30,15 @@ rows whose pause is over).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.models import kv_cache as kv_lib
 
-if TYPE_CHECKING:
-  from dloop_jax.drafters.base import Drafter
 
 # Tokens remembered before the memory is committed (K, static): a pause of 8
 # rounds plus the token of the drafting round before it. Longer pauses (the

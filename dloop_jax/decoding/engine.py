@@ -50,7 +50,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +69,11 @@ from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
+from dloop_jax.decoding import stats as stats_lib
 from dloop_jax.decoding import tree_round
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.config import DecodingConfig
-from dloop_jax.decoding import stats as stats_lib
+from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.decoding.stats import GenerationOutput
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import cpu_kernels
@@ -81,8 +82,6 @@ from dloop_jax.models import sharding as sharding_lib
 from dloop_jax.models.registry import LoadedTarget
 from dloop_jax.models.transformer import Transformer
 
-if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
-  from dloop_jax.drafters.base import Drafter
 
 MODES = arguments.MODES
 

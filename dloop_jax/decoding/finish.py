@@ -134,7 +134,7 @@ def finish_round(lp, *, v: Verified, drafter, drafter_state: Any,
       plain_rounds=st.plain_rounds + act * (num_verified == 0),
       accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
       # Drafting, the commit if it ran now, and the commit of what the drafter
-      # had not read before the round, if any (see `drafters.base`).
+      # had not read before the round, if any (see `decoding.drafter`).
       drafter_forwards=st.drafter_forwards + act * (
           drafter.drafting_forwards(block_size, num_stages) + read_now) + caught_up,
       target_tokens=st.target_tokens + act * v.width,

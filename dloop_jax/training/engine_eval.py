@@ -89,11 +89,7 @@ def _chat_ids(tokenizer: Any, text: str) -> list[int]:
 def _candidates(source: str, *, num_prompts: int, data_dir: str) -> list[tuple[str, str]]:
   """(group, text) pairs: "bench" groups by category, a file is one group."""
   if source == "bench":
-    try:
-      from infer.bench import prompts as bench_prompts  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ConfigError(f"eval.prompts='bench' needs the project's `infer` package ({e}); use a"
-                        " JSONL prompts file instead.") from e
+    from dloop_jax.data import bench_prompts  # pylint: disable=g-import-not-at-top
     rows = bench_prompts.load(bench_prompts.CATEGORIES, per_category=num_prompts,
                               data_dir=data_dir or None)
     return [(row.category, row.text) for row in rows]

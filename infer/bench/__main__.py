@@ -331,7 +331,7 @@ def main(argv=None) -> int:
   from dloop_jax import recorded_paths  # pylint: disable=g-import-not-at-top
   from infer.bench import llama_cpp_peer  # pylint: disable=g-import-not-at-top
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
-  from infer.bench import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.data import bench_prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
 
   try:
