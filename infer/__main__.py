@@ -47,8 +47,9 @@ def _precision(args) -> tuple[str | None, str | None]:
 
 # The decoding options this command takes, named after `DecodingConfig`'s fields.
 DECODING_FLAGS = ("mode", "profile", "block_size", "gate", "max_stages", "schedule",
-                  "confidence", "tree_budget", "lookup", "draft_backoff", "fixed_width",
-                  "costs", "allow_inexact")
+                  "confidence", "tree_budget", "lookup", "lookup_min_match",
+                  "lookup_max_probability", "draft_backoff", "fixed_width", "costs",
+                  "width_tolerance", "allow_inexact")
 
 
 def _parse(argv):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import types
 
 import jax.numpy as jnp
@@ -214,6 +215,8 @@ def test_decoding_flags_parse_into_the_config_and_name_its_defaults(capsys):
     _parse(["--help"])
   text = " ".join(capsys.readouterr().out.split())
   assert f"DLoop's confidence gate g (default: {DecodingConfig().gate})" in text
-  assert f"(default: {DecodingConfig().width_tolerance})" not in text  # not one of its flags
+  assert f"(default: {DecodingConfig().width_tolerance})" in text
+  assert set(flags.FLAGS) - {"mode"} <= {  # python -m infer takes every field as a flag
+      a.replace("-", "_") for a in re.findall(r"--([a-z-]+)", text)}
   with pytest.raises(ValueError, match="No decoding flag"):
     flags.add(argparse.ArgumentParser(), ["sampling"])

@@ -88,8 +88,9 @@ DeviceStats: Any = struct.dataclass(type("DeviceStats", (), {
 
 def device_zeros(*, batch_size: int, max_stages: int, **start: jax.Array) -> Any:
   """`DeviceStats` of zeros, but for the counters given in `start`."""
-  zeros = {name: jnp.zeros((batch_size, max_stages + 1) if name == HISTOGRAM else (batch_size,),
-                           jnp.int32) for name in COUNTERS}
+  zero = jnp.zeros((batch_size,), jnp.int32)
+  zeros = {name: zero for name in COUNTERS}
+  zeros[HISTOGRAM] = jnp.zeros((batch_size, max_stages + 1), jnp.int32)
   return DeviceStats(**{**zeros, **start})
 
 
