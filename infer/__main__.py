@@ -195,19 +195,14 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up
   row = out.rows[index]
   if args.json:
     rec = dict(prompt=text, text=answer, prompt_ids=ids, output_ids=new,
-               new_tokens=row.new_tokens, seconds=out.seconds,
-               compile_seconds=out.compile_seconds,
+               **row.as_dict(),  # the statistics (`RowStats`)
+               seconds=out.seconds, compile_seconds=out.compile_seconds,
                tokens_per_second=row.new_tokens / out.seconds if out.seconds else 0.0,
-               target_forwards=row.target_forwards, mode=mode,
-               drafter=getattr(drafter, "name", None),
-               acceptance_length=row.acceptance_length, rounds=row.rounds,
-               stages_per_round=row.stages_per_round,
+               mode=mode, drafter=getattr(drafter, "name", None),
                schedule=out.schedule, tree_budget=args.tree_budget or None,
-               drafted=row.drafted,
-               verified=row.verified, plain_rounds=row.plain_rounds,
-               lookup_rounds=row.lookup_rounds if looks_up else None,
-               dtype=dtype, weights=weights, fixed_width=fixed_width,
-               mesh=args.mesh)
+               dtype=dtype, weights=weights, fixed_width=fixed_width, mesh=args.mesh)
+    if not looks_up:
+      rec["lookup_rounds"] = None
     print(json.dumps(rec), flush=True)
   else:
     print(answer)

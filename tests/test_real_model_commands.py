@@ -138,6 +138,8 @@ def test_infer_defaults_to_dloop_with_the_best_shipped_drafter(bench):
          str(MAX_NEW), "--json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # No warning from inside the library: at most one line of its own per choice made.
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
   rec = infer()
