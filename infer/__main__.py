@@ -6,7 +6,7 @@
     python -m infer --weights bf16              # every forward 5 tokens wide (cpu profile)
     python -m infer --weights f32 --fixed-width 0   # f32 weights, forwards as wide as needed
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
-    python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
+    python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.75 --max-stages 2
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
     python -m infer --lookup off        # no prompt-lookup drafts (default: where the drafter is unsure)

@@ -3,7 +3,7 @@
     config = DecodingConfig(mode="dloop", gate=-0.75)
     out = generate(target, prompts, max_new_tokens=64, drafter=drafter, config=config)
     out = generate(target, prompts, max_new_tokens=64, drafter=drafter, config=config,
-                   gate=-0.5)                            # a keyword overrides a field
+                   gate=-1.0)                            # a keyword overrides a field
     wider = config.replace(max_stages=4)
 
 This class is the one place a decoding default is written: the command lines

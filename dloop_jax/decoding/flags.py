@@ -47,16 +47,16 @@ class Flag:
 # `costs` takes a JSON file or "calibrate"; `sampling` is set through SAMPLING_FLAGS.
 FLAGS: dict[str, Flag] = {
     "mode": Flag(str, "ar, sd or dloop", arguments.MODES),
-    "block_size": Flag(int, "gamma: drafts per stage (None: the drafter's; dloop at a fixed"
+    "block_size": Flag(int, "gamma: drafts per stage (default: the drafter's; dloop at a fixed"
                             " width: what the width verifies whole, 2 at width 5)"),
     "gate": Flag(float, "DLoop's confidence gate g"),
-    "max_stages": Flag(int, f"S_max: stages per verification (None: {profiles.DEFAULT_MAX_STAGES};"
-                            " dloop at a fixed width: what the width verifies whole, 2 at"
-                            " width 5)"),
+    "max_stages": Flag(int, "S_max: stages per verification (default:"
+                            f" {profiles.DEFAULT_MAX_STAGES}; dloop at a fixed width: what the"
+                            " width verifies whole, 2 at width 5)"),
     "schedule": Flag(str, "cost: verify only the prefix of the drafts expected to pay for its"
                           " verification (per-width cost table of this target on this machine;"
                           " with trees: the best nodes by path score); off: verify every draft"
-                          " (None: cost at free widths, off at a fixed width and for trees)",
+                          " (default: cost at free widths, off at a fixed width and for trees)",
                      schedule_lib.SCHEDULES),
     "confidence": Flag(str, "c_k of the cost schedule: the drafter's learned confidence"
                             " (DSpark's confidence head), its top draft probability, or auto"
@@ -69,13 +69,13 @@ FLAGS: dict[str, Flag] = {
                              " steps padded, every draft verified; W >= 1 + S_max * gamma):"
                              " every mode's greedy output then equals ar's at the same W bit for"
                              " bit, 16-bit weights included (docs/decoding.md); 0: each forward"
-                             " as wide as its tokens (None: the profile's width, cpu 5,"
+                             " as wide as its tokens (default: the profile's width, cpu 5,"
                              " gpu / tpu 16, with 16-bit weights and chains, else 0)"),
     "draft_backoff": Flag(int, "longest pause (rounds) of drafting after fruitless rounds"
-                               f" (None: {config_lib.DEFAULT_DRAFT_BACKOFF} with schedule"
+                               f" (default: {config_lib.DEFAULT_DRAFT_BACKOFF} with schedule"
                                " cost, else 0)"),
     "costs": Flag(str, "JSON cost table to schedule with, or 'calibrate' (measure this"
-                       " target's table now if none is cached). None: $DLOOP_COSTS, else the"
+                       " target's table now if none is cached). Default: $DLOOP_COSTS, else the"
                        " table python -m infer.costs cached for the target, else the"
                        " profile's default table"),
     "width_tolerance": Flag(float, "with the cost schedule, a width whose forward costs within"
@@ -89,7 +89,7 @@ FLAGS: dict[str, Flag] = {
     "lookup_min_match": Flag(int, "the shortest matched suffix (tokens) the lookup uses"),
     "lookup_max_probability": Flag(float, "the lookup replaces drafts whose first one the"
                                           " drafter gives a probability below this"),
-    "profile": Flag(str, "the hardware defaults (weights, dtype, forward width; None: this"
+    "profile": Flag(str, "the hardware defaults (weights, dtype, forward width; default: this"
                          " backend's); every profile runs on every backend (docs/decoding.md)",
                     profiles.PROFILES),
     "allow_inexact": Flag(bool, "run 16-bit weights at free widths (trees, schedule cost),"
