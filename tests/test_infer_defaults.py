@@ -202,6 +202,18 @@ def test_the_command_lines_restate_no_decoding_default(command):
   assert flags.config(args, base=base) == base.replace(gate=-1.5, max_stages=2)
 
 
+def test_a_bad_decoding_flag_is_named_before_anything_loads(capsys):
+  from dloop_jax.decoding import DecodingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    _command_args("train.evaluate", ["--max-stages", "0"])
+  assert "--max-stages (S_max) must be an int >= 1, got 0" in capsys.readouterr().err
+  with pytest.raises(ConfigError, match=r"^--tree-budget must be an int >= 0 .* got -1\.$"):
+    flags.check(DecodingConfig(mode="sd", tree_budget=-1))
+  with pytest.raises(ConfigError, match="--lookup-min-match must be an int in 1..3"):
+    flags.check(DecodingConfig(mode="sd", lookup_min_match=0))
+
+
 def test_decoding_flags_parse_into_the_config_and_name_its_defaults(capsys):
   from dloop_jax.decoding import DecodingConfig  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
