@@ -6,7 +6,7 @@
     python -m infer --weights bf16              # every forward 5 tokens wide (cpu profile)
     python -m infer --weights f32 --fixed-width 0   # f32 weights, forwards as wide as needed
     python -m infer --prompts-file prompts.jsonl --json --max-new-tokens 128
-    python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.5 --max-stages 3
+    python -m infer --mode dloop --drafter PATH --block-size 4 --gate -0.75 --max-stages 2
     python -m infer --drafter HF_DIR    # an EAGLE-3 / DFlash / DSpark / Domino checkpoint (config.json + safetensors)
     python -m infer --schedule off      # verify every draft (default: only the prefix that pays)
     python -m infer --lookup off        # no prompt-lookup drafts (default: where the drafter is unsure)
@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 
 
 def _precision(args) -> tuple[str | None, str | None]:
@@ -30,7 +31,9 @@ def _precision(args) -> tuple[str | None, str | None]:
   --mode ar exactly only with f32 weights: unless --weights / --dtype say
   otherwise (or --allow-inexact), they load f32 weights.
   """
-  free_widths = args.tree_budget or args.schedule == "cost" or args.fixed_width == 0
+  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
+  free_widths = arguments.asks_free_widths(fixed_width=args.fixed_width, schedule=args.schedule,
+                                           tree_budget=args.tree_budget)
   if (args.dtype is None and args.weights is None and free_widths
       and not args.allow_inexact):
     from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
@@ -42,7 +45,15 @@ def _precision(args) -> tuple[str | None, str | None]:
   return args.dtype, args.weights
 
 
+# The decoding options this command takes, named after `DecodingConfig`'s fields.
+DECODING_FLAGS = ("mode", "profile", "block_size", "gate", "max_stages", "schedule",
+                  "confidence", "tree_budget", "lookup", "lookup_min_match",
+                  "lookup_max_probability", "draft_backoff", "fixed_width", "costs",
+                  "width_tolerance", "allow_inexact")
+
+
 def _parse(argv):
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m infer", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="smollm2-135m-instruct",
@@ -52,25 +63,10 @@ def _parse(argv):
   src.add_argument("--prompts-file", help="JSONL file with a 'prompt' field per line")
   p.add_argument("--raw", action="store_true", help="do not apply the chat template")
   p.add_argument("--max-new-tokens", type=int, default=128)
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--mode", choices=("ar", "sd", "dloop"), default=None,
-                 help="default: dloop when a drafter is available for the target, else ar")
   p.add_argument("--drafter", help="drafter name, exported drafter directory, or an EAGLE-3 /"
                                     " DFlash / DSpark / Domino checkpoint directory in its Hugging Face layout"
                                     " (default: the best drafter shipped for the target)")
-  p.add_argument("--profile", choices=("cpu", "gpu", "tpu"), default=None,
-                 help="the hardware defaults (weights, dtype, forward width): default this"
-                      " backend's; every profile runs on every backend (docs/decoding.md)")
-  p.add_argument("--block-size", type=int, default=None,
-                 help="gamma: drafts per stage (default: the drafter's; dloop at a fixed"
-                      " width: what it verifies whole, 2 at width 5)")
-  p.add_argument("--gate", type=float, default=-0.5, help="DLoop confidence gate g")
-  p.add_argument("--max-stages", type=int, default=None,
-                 help="S_max: stages per verification (default 3; dloop at a fixed width: what"
-                      " it verifies whole, 2 at width 5)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                  help="the target's compute dtype (activations, KV cache; logits and acceptance"
                       " stay f32). Default: the profile's (float32 on CPU, bfloat16 on"
@@ -79,48 +75,15 @@ def _parse(argv):
                  help="storage of the target's weight matrices. Default: the profile's (bf16"
                       " on accelerators and CPUs with AMX, f32 on other CPUs; f32 with trees"
                       " and free widths); --dtype bfloat16 needs bf16 (docs/scaling.md)")
-  p.add_argument("--allow-inexact", action="store_true",
-                 help="run 16-bit weights at free widths (trees, --schedule cost), whose greedy"
-                      " output equals --mode ar only up to 16-bit rounding")
   p.add_argument("--mesh", default=None,
                  help="decode on a device mesh, e.g. data=2,tensor=4: prompts in batches"
                       " of data rows, the target's weights and KV heads split over tensor"
                       " (docs/scaling.md)")
-  p.add_argument("--schedule", choices=("cost", "off"), default=None,
-                 help="cost: verify only the prefix of the drafts expected to pay for its"
-                      " verification (per-width cost table of this target on this machine);"
-                      " (with trees: the best nodes by path score); off: verify every draft"
-                      " (default: cost for chains, off for trees)")
-  p.add_argument("--confidence", choices=("auto", "drafter", "probability"), default="auto",
-                 help="c_k of --schedule cost: the drafter's learned confidence (DSpark's"
-                      " confidence head), its top draft probability, or auto (the learned one"
-                      " when the drafter has it)")
-  p.add_argument("--tree-budget", type=int, default=0,
-                 help="B > 0: draft a tree of the B best prefixes per stage (block drafter:"
-                      " DDTree; EAGLE-3: dynamic tree) and verify it in one target forward;"
-                      " 0: chains")
-  p.add_argument("--lookup", choices=("auto", "off", "prompt"), default="auto",
-                 help="prompt: where a row's newest 2-3 tokens occurred earlier in its prompt or"
-                      " answer and the drafter's first draft has probability < 0.5, verify the"
-                      " tokens that followed them instead of the drafter's drafts (greedy chains"
-                      " in sd / dloop; docs/decoding.md); auto (default): prompt where it"
-                      " applies, off elsewhere")
-  p.add_argument("--draft-backoff", type=int, default=None,
-                 help="longest pause (rounds) of drafting after fruitless rounds (default: 64"
-                      " with --schedule cost, else 0)")
-  p.add_argument("--fixed-width", type=int, default=None,
-                 help="W > 0: every target forward after prefill W tokens wide (decode steps"
-                      " padded, every draft verified; W >= 1 + S_max * gamma): every mode's"
-                      " greedy output then equals --mode ar --fixed-width W bit for bit, bf16"
-                      " weights included (docs/decoding.md); 0: each forward as wide as its"
-                      " tokens. Default: the profile's width (cpu 5, gpu / tpu 16) with 16-bit"
-                      " weights and chains, else 0")
-  p.add_argument("--costs", default=None,
-                 help="JSON cost table to schedule with, or 'calibrate' (measure this"
-                      " target's table now if none is cached). Default: $DLOOP_COSTS, else the"
-                      " table python -m infer.costs cached for the target, else the profile's"
-                      " default table (with a warning)")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+  decoding = p.add_argument_group("decoding (fields of dloop_jax.DecodingConfig)")
+  flags.add(decoding, DECODING_FLAGS, sampling=True, help=dict(
+      mode="ar, sd or dloop (default: dloop when a drafter is available for the target,"
+           " else ar)"))
   return p.parse_args(argv)
 
 
@@ -130,15 +93,17 @@ def main(argv=None) -> int:
   enable_compilation_cache()
 
   from dloop_jax import prompt_files
-  from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
-  from dloop_jax.decoding import lookup as lookup_lib
+  from dloop_jax.decoding import arguments
+  from dloop_jax.decoding import config as config_lib
+  from dloop_jax.decoding import flags
+  from dloop_jax.decoding import generate
   from dloop_jax.errors import DLoopError
   from dloop_jax.models.registry import load_target
 
   try:
-    if args.tree_budget < 0:
-      raise DLoopError(f"--tree-budget must be >= 0 (0: chains), got {args.tree_budget}.")
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    # The options alone first: a bad value fails before the target loads.
+    flags.check(flags.config(args, mode=args.mode or "dloop"))
+    arguments.validate_max_new_tokens(args.max_new_tokens)
     # Prompts first: a bad file fails before the target loads.
     if args.prompts_file:
       prompts = prompt_files.read_prompts(args.prompts_file)
@@ -179,22 +144,23 @@ def main(argv=None) -> int:
         encoded.append(tok.apply_chat_template([{"role": "user", "content": text}],
                                                add_generation_prompt=True))
     # ar takes the speculative modes' options too (they set its width), not their trees.
-    config = DecodingConfig(
-        mode=mode, block_size=args.block_size, gate=args.gate, max_stages=args.max_stages,
-        sampling=sampling, schedule=args.schedule if mode != "ar" else None, costs=args.costs,
-        draft_backoff=args.draft_backoff, tree_budget=args.tree_budget if mode != "ar" else 0,
-        confidence=args.confidence, fixed_width=args.fixed_width, profile=args.profile,
-        allow_inexact=args.allow_inexact, lookup=args.lookup)
-    looks_up = lookup_lib.resolve(config.lookup, mode=mode, greedy=sampling.greedy,
-                                  tree_budget=config.tree_budget) == "prompt"
+    speculative_only = dict(schedule=None, tree_budget=0) if mode == "ar" else {}
+    config = flags.config(args, mode=mode, **speculative_only)
+    # What runs: the resolution generate() makes too (a refusal stops here).
+    looks_up = config_lib.resolve(config, target=target.model,
+                                  drafter=drafter).lookup == "prompt"
     # One prompt per call; on a mesh, batches of one row per data shard (the
     # last padded with copies of its last prompt, whose outputs are dropped).
     rows_per_call = mesh.shape["data"] if mesh is not None else 1
+    noted = set()
     for start in range(0, len(encoded), rows_per_call):
       batch = encoded[start:start + rows_per_call]
-      out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
-                     max_new_tokens=args.max_new_tokens, drafter=drafter, config=config,
-                     seed=args.seed, stop_tokens=stop)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = generate(target.model, batch + [batch[-1]] * (rows_per_call - len(batch)),
+                       max_new_tokens=args.max_new_tokens, drafter=drafter, config=config,
+                       seed=args.seed, stop_tokens=stop)
+      _note(caught, noted)
       for i, ids in enumerate(batch):
         _report(args, text=prompts[start + i], ids=ids, out=out, index=i, mode=mode,
                 drafter=drafter, tok=tok, target=target.model, looks_up=looks_up)
@@ -202,6 +168,19 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
+
+
+def _note(caught, noted: set) -> None:
+  """The warnings of a generate() call: the assumed cost table as one line of its own
+  (once), the others as Python shows them."""
+  from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  for w in caught:
+    if issubclass(w.category, costs_lib.AssumedCostsWarning):
+      if w.category not in noted:
+        print(f"note: {w.message}", file=sys.stderr)
+        noted.add(w.category)
+    else:
+      warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up) -> None:
@@ -216,19 +195,14 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up
   row = out.rows[index]
   if args.json:
     rec = dict(prompt=text, text=answer, prompt_ids=ids, output_ids=new,
-               new_tokens=row.new_tokens, seconds=out.seconds,
-               compile_seconds=out.compile_seconds,
+               **row.as_dict(),  # the statistics (`RowStats`)
+               seconds=out.seconds, compile_seconds=out.compile_seconds,
                tokens_per_second=row.new_tokens / out.seconds if out.seconds else 0.0,
-               target_forwards=row.target_forwards, mode=mode,
-               drafter=getattr(drafter, "name", None),
-               acceptance_length=row.acceptance_length, rounds=row.rounds,
-               stages_per_round=row.stages_per_round,
+               mode=mode, drafter=getattr(drafter, "name", None),
                schedule=out.schedule, tree_budget=args.tree_budget or None,
-               drafted=row.drafted,
-               verified=row.verified, plain_rounds=row.plain_rounds,
-               lookup_rounds=row.lookup_rounds if looks_up else None,
-               dtype=dtype, weights=weights, fixed_width=fixed_width,
-               mesh=args.mesh)
+               dtype=dtype, weights=weights, fixed_width=fixed_width, mesh=args.mesh)
+    if not looks_up:
+      rec["lookup_rounds"] = None
     print(json.dumps(rec), flush=True)
   else:
     print(answer)

@@ -15,7 +15,7 @@ from flax import nnx
 from flax import struct
 
 from dloop_jax.decoding import sampling as sampling_lib
-from dloop_jax.drafters.base import Drafter, DraftStage, TreeStage
+from dloop_jax.decoding.drafter import Drafter, DraftStage, TreeStage
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models.transformer import Transformer
 

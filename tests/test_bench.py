@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 
+from dloop_jax.decoding import DecodingConfig
 from dloop_jax.errors import ConfigError
-from infer.bench import prompts as prompts_lib
+from dloop_jax.data import bench_prompts as prompts_lib
 from infer.bench import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,9 +151,34 @@ def test_bad_repeats_fails_before_the_target_loads():
   assert "--repeats must be >= 1" in proc.stderr
 
 
-def test_a_second_weight_storage_is_named_and_measured_against_the_reference_ar():
+def _ours(**options):
   from infer.bench import methods  # pylint: disable=g-import-not-at-top
-  names = [methods.Ours(method=m, target=None, weights=w, schedule=s, fixed_width=fw).method_name
+  weights = options.pop("weights", "")
+  return methods.Ours(decoding=DecodingConfig(**options), target=None, weights=weights)
+
+
+class _Drafter:
+  """What the benchmark and `resolve` read of a drafter."""
+
+  kind = "parallel"
+
+  def __init__(self, name, *, block_size=4, supports_trees=False, has_confidence=False):
+    self.name, self.block_size = name, block_size
+    self.supports_trees, self.has_confidence = supports_trees, has_confidence
+
+  def max_block_size(self):
+    return self.block_size
+
+  def check_target(self, config):
+    del config
+
+
+F32_TARGET = types.SimpleNamespace(weight_dtype=np.dtype("float32"), dtype=np.dtype("float32"),
+                                   config=None)
+
+
+def test_a_second_weight_storage_is_named_and_measured_against_the_reference_ar():
+  names = [_ours(mode=m, weights=w, schedule=s, fixed_width=fw).method_name
            for m, w, s, fw in [("ar", "", "cost", 0), ("ar", "bf16", "cost", 5),
                                ("sd", "bf16", "off", 5), ("dloop", "bf16", "cost", 0),
                                ("dloop", "", "off", 13)]]
@@ -174,51 +202,56 @@ def test_bad_weights_fail_before_the_target_loads(weights):
   assert "--weights takes f32 and / or bf16" in proc.stderr
 
 
-def test_fixed_width_methods_fit_the_width():
+def test_fixed_width_methods_fit_the_width(capsys):
   """--fixed-widths 5: sd verifies the drafter's 4 drafts, dloop the 2 x 2 loop that fits."""
-  import types  # pylint: disable=g-import-not-at-top
   from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
-
   from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
 
   # python -m infer's default: the prompt lookup for greedy chains, none when sampling.
   assert bench_main._lookups(bench_main._parse([]).lookups, SamplingConfig()) == ["prompt"]
   assert bench_main._lookups(None, SamplingConfig(temperature=0.7)) == ["off"]
   assert bench_main._lookups(["off", "prompt"], SamplingConfig()) == ["off", "prompt"]
   args = bench_main._parse(["--fixed-widths", "5", "--lookups", "off"])
-  drafter = types.SimpleNamespace(block_size=4, supports_trees=False, name="block")
-  got = bench_main._our_methods(args, target=None, drafters=[("block", drafter)], weights="",
-                                modes=["sd", "dloop"], schedules=["off"], tree_schedules=[],
-                                fixed_widths=[5], common={})
-  shapes = {(m.method_name, m.block_size, m.max_stages) for m in got if m.fixed_width}
-  assert shapes == {("ar/w5", None, 3), ("sd/all/w5", None, 3), ("dloop/all/w5", 2, 2)}
+  drafter = _Drafter("block")
+
+  def shapes(widths, base=DecodingConfig()):
+    got = bench_main._our_methods(args, base=base, target=F32_TARGET,
+                                  drafters=[("block", drafter)], weights="",
+                                  modes=["sd", "dloop"], schedules=["off"], tree_schedules=[],
+                                  fixed_widths=widths, common={})
+    # What each runs: the resolution generate() makes too.
+    resolved = [(m.method_name, config_lib.resolve(m.decoding, target=F32_TARGET,
+                                                   drafter=m.drafter)) for m in got]
+    return {(name, c.block_size, c.max_stages) for name, c in resolved if c.fixed_width}
+
+  assert shapes([5]) == {("ar/w5", None, 3), ("sd/all/w5", 4, 1), ("dloop/all/w5", 2, 2)}
   # A width too narrow for two stages is passed over, not an error.
-  got = bench_main._our_methods(args, target=None, drafters=[("block", drafter)], weights="",
-                                modes=["sd", "dloop"], schedules=["off"], tree_schedules=[],
-                                fixed_widths=[2, 9], common={})
-  shapes = {(m.method_name, m.block_size, m.max_stages) for m in got if m.fixed_width}
-  assert shapes == {("ar/w2", None, 3), ("ar/w9", None, 3), ("sd/all/w9", None, 3),
-                    ("dloop/all/w9", 4, 2)}
+  assert shapes([2, 9]) == {("ar/w2", None, 3), ("ar/w9", None, 3), ("sd/all/w9", 4, 1),
+                            ("dloop/all/w9", 4, 2)}
+  # A width no mode fits: left out, with resolve's reason.
+  assert shapes([3], base=DecodingConfig(block_size=4)) == {("ar/w3", 4, 3)}
+  assert "sd/all/w3 skipped: fixed_width=3 is narrower than a verification" in (
+      capsys.readouterr().err)
 
 
 def test_probability_confidence_rows_only_for_a_learned_confidence_under_the_cost_schedule(
     monkeypatch):
   """--confidences auto,probability: sd / dloop and sd~prob / dloop~prob for DSpark's chains
   scheduled by cost; one row per mode elsewhere (no learned confidence, "/all", trees)."""
-  import types  # pylint: disable=g-import-not-at-top
   from infer.bench import __main__ as bench_main  # pylint: disable=g-import-not-at-top
 
   args = bench_main._parse(["--confidences", "auto,probability", "--tree-budgets", "0,8",
                             "--lookups", "off"])
-  dspark = types.SimpleNamespace(block_size=4, supports_trees=True, has_confidence=True,
-                                 name="dspark")
-  block = types.SimpleNamespace(block_size=4, supports_trees=False, has_confidence=False,
-                                name="block")
-  monkeypatch.setattr(bench_main, "_cost_table", lambda *a, **k: None)  # no target here
-  got = bench_main._our_methods(args, target=None, drafters=[("ds", dspark), ("b", block)],
+  dspark = _Drafter("dspark", supports_trees=True, has_confidence=True)
+  block = _Drafter("block")
+  monkeypatch.setattr(bench_main, "_cost_table", lambda *a, **k: None)  # no real target here
+  got = bench_main._our_methods(args, base=DecodingConfig(), target=F32_TARGET,
+                                drafters=[("ds", dspark), ("b", block)],
                                 weights="", modes=["sd", "dloop"], schedules=["cost", "off"],
                                 tree_schedules=["cost"], fixed_widths=[], common={})
-  rows = sorted((m.drafter_label, m.method_name, m.confidence) for m in got if m.drafter_label)
+  rows = sorted((m.drafter_label, m.method_name, m.decoding.confidence) for m in got
+                if m.drafter_label)
   assert rows == sorted([
       ("ds", "sd", "auto"), ("ds", "sd~prob", "probability"), ("ds", "sd/all", "auto"),
       ("ds", "dloop", "auto"), ("ds", "dloop~prob", "probability"), ("ds", "dloop/all", "auto"),
@@ -248,8 +281,7 @@ def test_bad_confidences_fail_before_the_target_loads():
 
 
 def test_lookup_methods_are_named_and_follow_their_chain():
-  from infer.bench import methods  # pylint: disable=g-import-not-at-top
-  names = [methods.Ours(method="sd", target=None, schedule=s, lookup=lookup).method_name
+  names = [_ours(mode="sd", schedule=s, lookup=lookup).method_name
            for s in ("cost", "off") for lookup in ("off", "prompt")]
   assert names == ["sd", "sd+lookup", "sd/all", "sd/all+lookup"]
   recs = [_rec("code", m, "d", 10, 1.0) for m in reversed(names)]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import infer
+from dloop_jax.decoding import DecodingConfig
 from dloop_jax.models import registry
 from infer.bench import __main__ as bench_main
 from infer.bench import llama_cpp_peer
@@ -38,7 +39,8 @@ class _HFModel:
   """Stands in for transformers' model: our ar's greedy tokens (the benchmark's own program)."""
 
   def __init__(self, target):
-    self.ar = methods_lib.Ours(method="ar", target=target, max_new_tokens=4, stop_tokens=[2])
+    self.ar = methods_lib.Ours(decoding=DecodingConfig(mode="ar"), target=target, max_new_tokens=4,
+                               stop_tokens=[2])
 
   def generate(self, ids, **unused):
     del unused

@@ -48,7 +48,7 @@ def test_propose_minimum_match_and_padding_past_the_length():
   assert _propose(rows) == [([], 0)]
   assert _propose(rows, min_match=1) == [([2, 7, 6], 1)]
   history = jnp.asarray([[1, 2, 7, 1, 2, 9, 9, 9]], jnp.int32)
-  p = _propose_jit(history=history, lengths=jnp.asarray([5]), block_size=4)
+  p = _propose_jit(history=history, lengths=jnp.asarray([5]), block_size=4, min_match=2)
   assert int(p.num_tokens[0]) == 3 and np.asarray(p.tokens[0, :3]).tolist() == [7, 1, 2]
 
 

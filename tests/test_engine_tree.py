@@ -248,4 +248,4 @@ def test_cli_tree_budget_error(tmp_path):
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: ") and "--tree-budget must be >= 0" in last, proc.stderr
+  assert last.startswith("error: ") and "--tree-budget must be an int >= 0" in last, proc.stderr

@@ -12,7 +12,7 @@ from flax import nnx
 
 import drafter_fixtures
 import reference
-from dloop_jax.decoding import SamplingConfig, generate
+from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.transformer import Transformer
 
@@ -118,10 +118,13 @@ def test_fixed_width_arguments_are_checked(tiny):
 def test_benchmark_methods_at_a_fixed_width(tiny):
   from infer.bench import methods  # pylint: disable=g-import-not-at-top
   drafter = drafter_fixtures.perturbed(tiny, noise_scale=1.0, seed=3)
-  ar = methods.Ours(method="ar", target=tiny, max_new_tokens=24, fixed_width=WIDTH)
-  sd = methods.Ours(method="sd", target=tiny, drafter=drafter, drafter_label="p", block_size=3,
-                    max_new_tokens=24, schedule="off", fixed_width=WIDTH)
+  ar = methods.Ours(decoding=DecodingConfig(mode="ar", fixed_width=WIDTH), target=tiny,
+                    max_new_tokens=24)
+  sd = methods.Ours(decoding=DecodingConfig(mode="sd", block_size=3, schedule="off",
+                                            fixed_width=WIDTH),
+                    target=tiny, drafter=drafter, drafter_label="p", max_new_tokens=24)
   assert (ar.label, sd.label) == (f"ar/w{WIDTH}", f"sd/all/w{WIDTH}[p]")
   want, got = ar.run([5, 9, 2]), sd.run([5, 9, 2])
   assert got.tokens == want.tokens
-  assert got.target_tokens == WIDTH * got.rounds and want.target_tokens == WIDTH * want.rounds
+  assert (got.stats.target_tokens == WIDTH * got.stats.rounds
+          and want.stats.target_tokens == WIDTH * want.stats.rounds)

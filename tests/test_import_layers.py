@@ -5,8 +5,9 @@ package's top-level modules (errors, mesh, profiles, ...) are the base below
 them all, and the package's own `__init__` (the lazy public API) stands above
 them all. Imports inside functions count (they run too), and so does a name
 imported from a package's `__init__` (`from dloop_jax.drafters import
-build_drafter` runs the whole drafters package); imports under
-`if TYPE_CHECKING:` do not.
+build_drafter` runs the whole drafters package), and so do imports under
+`if TYPE_CHECKING:`: an annotation that needs a higher layer is a dependency
+too (the drafter protocol lives in `decoding`, the engine's contract).
 """
 
 import ast
@@ -32,14 +33,9 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
   graph = {}
   for module, path in files.items():
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    names, typing_only = [], set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):  # parents first
-      if id(node) in typing_only:
-        continue
-      if isinstance(node, ast.If) and "TYPE_CHECKING" in (getattr(node.test, "id", None),
-                                                          getattr(node.test, "attr", None)):
-        typing_only |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-      elif isinstance(node, ast.Import):
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.Import):
         names += [alias.name for alias in node.names]
       elif isinstance(node, ast.ImportFrom):
         base = node.module or ""
@@ -97,9 +93,10 @@ def test_the_check_reports_cycles_and_upward_imports(tmp_path):
       "base.py": "def h():\n  import pkg.low.c\n",
       "low/__init__.py": "",
       "low/a.py": "from .. import base\n\ndef f():\n  from pkg.high import b\n",
-      "low/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  from pkg.high import b\n",
+      "low/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  from pkg.high import e\n",
       "high/__init__.py": "",
       "high/b.py": "from ..low import a\nfrom pkg.low.c import f\nimport pkg.base\n",
+      "high/e.py": "",
       "other/__init__.py": "from . import d\nVALUE = 1\n",
       "other/d.py": "def g():\n  from pkg.other import VALUE\n",
   }
@@ -118,4 +115,19 @@ def test_the_check_reports_cycles_and_upward_imports(tmp_path):
       " needs down to the layer of pkg.base or lower",
       "upward import: pkg.low.a (layer 'low') imports pkg.high.b (layer 'high'): move what"
       " it needs down to the layer of pkg.low.a or lower",
+      "upward import: pkg.low.c (layer 'low') imports pkg.high.e (layer 'high'): move what"
+      " it needs down to the layer of pkg.low.c or lower",  # an annotation's import counts
   ]
+
+
+def test_the_library_imports_nothing_of_the_commands():
+  """dloop_jax is the library under `python -m infer` and `python -m train`, never above them."""
+  root = pathlib.Path(dloop_jax.__file__).parent
+  found = []
+  for path in sorted(root.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+      found += [f"{path.relative_to(root)}: {n}" for n in names
+                if n.split(".")[0] in ("infer", "train")]
+  assert not found, found

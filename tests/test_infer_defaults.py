@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import types
 
 import jax.numpy as jnp
@@ -169,3 +171,67 @@ def test_loop_shape_for_width(width, gamma, max_stages, want):
 def test_loop_shape_for_a_width_too_narrow():
   with pytest.raises(ConfigError, match="no room for two drafting stages"):
     arguments.loop_shape_for_width(2, drafter_block_size=4, max_stages=3)
+
+
+def _command_args(command: str, argv: list[str]):
+  # pylint: disable=g-import-not-at-top
+  if command == "infer":
+    return _parse(argv)
+  if command == "infer.bench":
+    from infer.bench import __main__ as bench_main
+    return bench_main._parse(argv)
+  from train import evaluate
+  return evaluate._parse(["--drafters", "d"] + argv)
+
+
+@pytest.mark.parametrize("command", ["infer", "infer.bench", "train.evaluate"])
+def test_the_command_lines_restate_no_decoding_default(command):
+  """Every decoding flag defaults to None: a command run without one decodes with
+  DecodingConfig's own defaults (train.evaluate: the trainer's evaluation's)."""
+  from dloop_jax.decoding import DecodingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import engine_eval  # pylint: disable=g-import-not-at-top
+  args = _command_args(command, [])
+  names = config_lib.FIELDS | set(flags.SAMPLING_FLAGS)
+  present = {k: v for k, v in vars(args).items() if k in names}
+  assert len(present) >= 6 and set(present.values()) == {None}, present
+  base = engine_eval.EVAL_DECODING if command == "train.evaluate" else DecodingConfig()
+  assert flags.config(args, base=base) == base
+  if command == "train.evaluate":
+    assert args.decoding == engine_eval.EVAL_DECODING
+  # A flag given sets its field, nothing else.
+  args = _command_args(command, ["--gate", "-1.5", "--max-stages", "2"])
+  assert flags.config(args, base=base) == base.replace(gate=-1.5, max_stages=2)
+
+
+def test_a_bad_decoding_flag_is_named_before_anything_loads(capsys):
+  from dloop_jax.decoding import DecodingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    _command_args("train.evaluate", ["--max-stages", "0"])
+  assert "--max-stages (S_max) must be an int >= 1, got 0" in capsys.readouterr().err
+  with pytest.raises(ConfigError, match=r"^--tree-budget must be an int >= 0 .* got -1\.$"):
+    flags.check(DecodingConfig(mode="sd", tree_budget=-1))
+  with pytest.raises(ConfigError, match="--lookup-min-match must be an int in 1..3"):
+    flags.check(DecodingConfig(mode="sd", lookup_min_match=0))
+
+
+def test_decoding_flags_parse_into_the_config_and_name_its_defaults(capsys):
+  from dloop_jax.decoding import DecodingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
+  args = _parse(["--temperature", "0.7", "--top-k", "5", "--lookup", "off", "--allow-inexact",
+                 "--fixed-width", "0"])
+  got = flags.config(args, mode="sd")
+  assert got == DecodingConfig(mode="sd", lookup="off", allow_inexact=True, fixed_width=0,
+                               sampling=DecodingConfig().sampling.__class__(temperature=0.7,
+                                                                            top_k=5))
+  with pytest.raises(SystemExit):
+    _parse(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert f"DLoop's confidence gate g (default: {DecodingConfig().gate})" in text
+  assert f"(default: {DecodingConfig().width_tolerance})" in text
+  assert set(flags.FLAGS) - {"mode"} <= {  # python -m infer takes every field as a flag
+      a.replace("-", "_") for a in re.findall(r"--([a-z-]+)", text)}
+  with pytest.raises(ValueError, match="No decoding flag"):
+    flags.add(argparse.ArgumentParser(), ["sampling"])

@@ -11,9 +11,16 @@ import dloop_jax as dl
 import model_fixtures
 
 
-def test_every_public_name_resolves():
+def test_every_public_name_is_the_library_object_of_that_name():
   for name in dl.__all__:
-    assert getattr(dl, name) is not None, name
+    value = getattr(dl, name)
+    # The object of that name in the library module that defines it (a constant: its
+    # class's module), not a stand-in.
+    assert value.__module__.startswith("dloop_jax."), (name, value.__module__)
+    assert getattr(sys.modules[value.__module__], name) is value, name
+  assert dl.GREEDY == dl.SamplingConfig() and dl.GREEDY.greedy
+  with pytest.raises(dl.DLoopError, match="Unknown decoding option"):  # what the library raises
+    dl.DecodingConfig().replace(gamma=3)
   assert set(dl.__all__) <= set(dir(dl))
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     getattr(dl, "nope")

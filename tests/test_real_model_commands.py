@@ -34,7 +34,7 @@ from nbclient import NotebookClient
 import model_fixtures
 from dloop_jax import profiles
 from dloop_jax.models import load_target
-from infer.bench import prompts as prompts_lib
+from dloop_jax.data import bench_prompts as prompts_lib
 from lossless import assert_same_or_near_tie
 
 pytestmark = pytest.mark.real_model
@@ -138,6 +138,8 @@ def test_infer_defaults_to_dloop_with_the_best_shipped_drafter(bench):
          str(MAX_NEW), "--json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # No warning from inside the library: at most one line of its own per choice made.
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
   rec = infer()

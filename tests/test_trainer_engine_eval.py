@@ -75,9 +75,10 @@ def test_multi_stage_share_follows_the_gate(run):
   target = trainer_lib.default_build_target(_config().target).model
   drafter = drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
   prompts = ((5, 9, 11, 3), (7, 2, 30, 8, 1))
-  share = {gate: engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, modes=("dloop",),
-                                        gate=gate)(target, drafter)["engine_multi_stage_dloop"]
-           for gate in (float("inf"), float("-inf"))}
+  share = {gate: engine_eval.EngineEval(
+      prompts=prompts, max_new_tokens=12, modes=("dloop",),
+      decoding=engine_eval.EVAL_DECODING.replace(gate=gate))(target, drafter)[
+          "engine_multi_stage_dloop"] for gate in (float("inf"), float("-inf"))}
   # g = +inf: no round goes past its first stage; g = -inf: every round goes on while tokens
   # are left (the last rounds of a row may have room for one stage only).
   assert share[float("inf")] == 0.0 and share[float("-inf")] >= 0.5, share
@@ -89,8 +90,10 @@ def test_dloop_shape_fixed_width_schedule_and_lookup_reach_generate(run):
   target = trainer_lib.default_build_target(_config().target).model
   drafter = drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
   prompts = ((5, 9, 11, 3), (7, 2, 30, 8, 1))
-  ev = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, gate=float("-inf"),
-                              block_size=1, max_stages=2, fixed_width=3)
+  ev = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12,
+                              decoding=engine_eval.decoding(dict(
+                                  gate=float("-inf"), block_size=1, max_stages=2,
+                                  fixed_width=3)))
   got = ev(target, drafter)
   for mode, shape in (("sd", {}), ("dloop", dict(block_size=1, max_stages=2))):
     want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode=mode,
@@ -100,13 +103,15 @@ def test_dloop_shape_fixed_width_schedule_and_lookup_reach_generate(run):
   # Every dloop round drafts two stages of one while tokens are left.
   assert got["engine_multi_stage_dloop"] >= 0.5
   tree = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, modes=("sd",),
-                                tree_budget=3)(target, drafter)
+                                decoding=engine_eval.decoding(dict(tree_budget=3)))(
+                                    target, drafter)
   want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode="sd",
                   drafter=drafter, schedule="off", tree_budget=3)
   assert tree["engine_tau_sd"] == want.total.acceptance_length
   # The τ users get: the scheduler's choice, with prompt-lookup drafts.
   users = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12, modes=("sd",),
-                                 schedule="cost", lookup="prompt")(target, drafter)
+                                 decoding=engine_eval.decoding(dict(
+                                     schedule="cost", lookup="prompt")))(target, drafter)
   want = generate(target, [list(p) for p in prompts], max_new_tokens=12, mode="sd",
                   drafter=drafter, schedule="cost", lookup="prompt")
   assert users["engine_tau_sd"] == want.total.acceptance_length
@@ -133,6 +138,40 @@ def test_prompts_file_is_read_through_the_chat_template(tmp_path):
   c.prompts = "bench"
   with pytest.raises(ConfigError, match="needs the target's tokenizer"):
     engine_eval.from_config(c, target=target, tokenizer=None)
+
+
+def test_eval_decoding_takes_every_decoding_field_and_refuses_others():
+  """`eval.decoding` sets any field of DecodingConfig over the evaluation's own choices; the
+  trainer's config restates none of DecodingConfig's defaults."""
+  from dloop_jax.decoding import config as decoding_config  # pylint: disable=g-import-not-at-top
+  c = _config()
+  assert dict(c.eval.decoding) == {}
+  overrides = dict(mode="sd", block_size=2, gate=-1.25, max_stages=4, schedule="cost",
+                   confidence="probability", tree_budget=0, fixed_width=7, draft_backoff=3,
+                   costs="calibrate", width_tolerance=0.1, lookup="prompt",
+                   lookup_min_match=3, lookup_max_probability=0.25, profile="gpu",
+                   allow_inexact=False, sampling=engine_eval.EVAL_DECODING.sampling)
+  assert set(overrides) == decoding_config.FIELDS  # every field, tried below
+  for key, value in overrides.items():
+    setattr(c.eval.decoding, key, value)
+  config_lib.validate(c)
+  got = engine_eval.decoding(c.eval.decoding)
+  assert all(getattr(got, k) == v for k, v in overrides.items())
+  target = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=64,
+                                                              vocab_size=64))
+  ev = engine_eval.from_config(c.eval, target=target, tokenizer=None)
+  assert ev.decoding == got and ev.config("dloop").mode == "dloop"
+  # Unset fields keep the evaluation's choices, and those keep generate()'s defaults.
+  assert engine_eval.decoding({}) == engine_eval.EVAL_DECODING
+  assert engine_eval.EVAL_DECODING.gate == decoding_config.DecodingConfig().gate
+  c = _config()
+  c.eval.decoding.gamma = 3
+  with pytest.raises(ConfigError, match=r"eval.decoding: Unknown decoding option\(s\) \['gamma'\]"):
+    config_lib.validate(c)
+  c = _config()
+  c.eval.decoding.gate = float("nan")
+  with pytest.raises(ConfigError, match="eval.decoding: gate must be a number"):
+    config_lib.validate(c)
 
 
 def test_bad_eval_settings_are_refused():

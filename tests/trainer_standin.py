@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import dloop_jax.decoding  # noqa: F401  (before drafters.base: they import each other)
 from dloop_jax.data import pipeline
+from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.drafters import base as base_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import default_taps
@@ -39,7 +39,7 @@ class _StandinFrozen(nnx.Variable):
 Frozen = getattr(base_lib, "Frozen", None) or _StandinFrozen
 
 
-class StandinDrafter(base_lib.Drafter):
+class StandinDrafter(Drafter):
   """A one-layer next-token predictor over target features."""
 
   def __init__(self, config: dict, *, target, rngs: nnx.Rngs):

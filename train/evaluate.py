@@ -46,7 +46,16 @@ import sys
 import time
 
 
+# The decoding options this command takes, named after `DecodingConfig`'s fields.
+DECODING_FLAGS = ("gate", "block_size", "max_stages", "fixed_width", "tree_budget", "schedule",
+                  "lookup", "draft_backoff", "confidence", "costs")
+
+
 def _parse(argv):
+  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags
+  from dloop_jax.training import engine_eval
+  # pylint: enable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--drafters", required=True,
@@ -63,21 +72,8 @@ def _parse(argv):
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--max-prompt-tokens", type=int, default=512)
   p.add_argument("--modes", default="sd,dloop", help="comma-separated: sd, dloop")
-  p.add_argument("--gate", type=float, default=-0.5, help="dloop's gate g")
-  p.add_argument("--block-size", type=int, default=None,
-                 help="dloop's drafts per stage (default: the drafter's gamma)")
-  p.add_argument("--max-stages", type=int, default=None, help="dloop's S_max (default 3)")
   p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
                  help="the target's weight storage")
-  p.add_argument("--fixed-width", type=int, default=0,
-                 help="every target forward this many tokens wide (0: as wide as its tokens)")
-  p.add_argument("--tree-budget", type=int, default=0,
-                 help="draft trees of this many nodes a stage (0: chains; drafters with trees)")
-  p.add_argument("--schedule", choices=("off", "cost"), default="off",
-                 help="off: every draft verified (τ is the drafter's); cost: the scheduler's"
-                      " choice, as python -m infer runs at free widths (τ is what users get)")
-  p.add_argument("--lookup", choices=("off", "prompt"), default="off",
-                 help="prompt: prompt-lookup drafts in the first stage (generate(lookup=))")
   p.add_argument("--data-dir", default="",
                  help="where the ShareGPT held-out prompts are (or are built); '' = default")
   p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
@@ -96,6 +92,14 @@ def _parse(argv):
                       " else 8). The block drafters' anchors are drawn per batch, so the"
                       " trainer's heldout_* values are reproduced at its batch size")
   p.add_argument("--json", default="", help="also write the rows to this JSON file")
+  decoding = p.add_argument_group(
+      "decoding (fields of dloop_jax.DecodingConfig; defaults: the trainer's evaluation,"
+      " dloop_jax.training.engine_eval.EVAL_DECODING)")
+  flags.add(decoding, DECODING_FLAGS, base=engine_eval.EVAL_DECODING, help=dict(
+      block_size="dloop's drafts per stage (default: the drafter's gamma; sd always drafts"
+                 " the drafter's)",
+      schedule="off: every draft verified (τ is the drafter's); cost: the scheduler's choice,"
+               " as python -m infer runs at free widths (τ is what users get) (default: off)"))
   args = p.parse_args(argv)
   args.drafters = [d for d in args.drafters.split(",") if d]
   args.modes = tuple(m for m in args.modes.split(",") if m)
@@ -105,13 +109,14 @@ def _parse(argv):
     p.error(f"--modes must be a non-empty subset of sd,dloop; got {','.join(args.modes)!r}")
   if not args.engine and not args.heldout_data:
     p.error("--no-engine leaves nothing to measure: give --heldout-data")
-  for flag in ("prompts_per_category", "max_new_tokens", "max_prompt_tokens", "block_size",
-               "max_stages", "heldout_examples", "heldout_batch_size"):
+  for flag in ("prompts_per_category", "max_new_tokens", "max_prompt_tokens",
+               "heldout_examples", "heldout_batch_size"):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1")
-  for flag in ("fixed_width", "tree_budget"):
-    if getattr(args, flag) < 0:
-      p.error(f"--{flag.replace('_', '-')} must be >= 0")
+  try:
+    args.decoding = engine_eval.decoding(flags.given(args))
+  except ValueError as e:  # a ConfigError naming the flag's field
+    p.error(flags.as_flags(str(e).replace("eval.decoding: ", "")))
   return args
 
 
@@ -211,27 +216,26 @@ def heldout_metrics(source: str, *, target, data: str, examples: int, config=Non
 def evaluate(args: argparse.Namespace, *, target) -> list[dict]:
   """The rows of `args.drafters` (and their heads off) for `target` (a `trainer.Target`)."""
   # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags
   from dloop_jax.drafters import ablation
   from dloop_jax.drafters.io import load_drafter
   from dloop_jax.training import engine_eval
   # pylint: enable=g-import-not-at-top
   evaluator = None
+  d = args.decoding
   if args.engine:
-    evaluator = dataclasses.replace(
-        engine_eval.from_config(
-            dict(prompts=args.prompts, num_prompts=args.prompts_per_category,
-                 max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                 modes=args.modes, gate=args.gate, data_dir=args.data_dir),
-            target=target.model, tokenizer=target.tokenizer),
-        block_size=args.block_size, max_stages=args.max_stages, fixed_width=args.fixed_width,
-        tree_budget=args.tree_budget, schedule=args.schedule, lookup=args.lookup)
-    verified = ("every draft verified" if args.schedule == "off" else
+    evaluator = engine_eval.from_config(
+        dict(prompts=args.prompts, num_prompts=args.prompts_per_category,
+             max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+             modes=args.modes, data_dir=args.data_dir, decoding=flags.given(args)),
+        target=target.model, tokenizer=target.tokenizer)
+    verified = ("every draft verified" if d.schedule == "off" else
                 "the cost scheduler's verification")
     print(f"{len(evaluator.prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {verified}"
-          + (", prompt lookup" if args.lookup == "prompt" else "")
+          + (", prompt lookup" if d.lookup == "prompt" else "")
           + f"; modes {', '.join(args.modes)}; {args.weights} weights"
-          + (f", width {args.fixed_width}" if args.fixed_width else "")
-          + (f", trees of {args.tree_budget} nodes" if args.tree_budget else ""), flush=True)
+          + (f", width {d.fixed_width}" if d.fixed_width else "")
+          + (f", trees of {d.tree_budget} nodes" if d.tree_budget else ""), flush=True)
   config = _config_file(args.heldout_config) if args.heldout_config else None
   if args.heldout_data:
     print(f"held out: the last {args.heldout_examples} examples of {args.heldout_data},"
@@ -289,10 +293,11 @@ def main(argv=None) -> int:
   print(_table(rows, args.modes))
   if args.json:
     with open(args.json, "w") as f:
+      d = args.decoding
       json.dump(dict(prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                     gate=args.gate, block_size=args.block_size, max_stages=args.max_stages,
-                     weights=args.weights, fixed_width=args.fixed_width,
-                     tree_budget=args.tree_budget, heldout_data=args.heldout_data,
+                     gate=d.gate, block_size=d.block_size, max_stages=d.max_stages,
+                     weights=args.weights, fixed_width=d.fixed_width,
+                     tree_budget=d.tree_budget, heldout_data=args.heldout_data,
                      heldout_examples=args.heldout_examples if args.heldout_data else 0,
                      heldout_config=args.heldout_config, rows=rows), f, indent=1)
   return 0

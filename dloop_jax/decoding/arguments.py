@@ -30,44 +30,79 @@ def validate_mode(mode) -> None:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
 
 
-def validate(*, mode, drafter, block_size, gate, max_stages, max_new_tokens, target,
-             schedule, draft_backoff, tree_budget, confidence="auto") -> None:
-  """Raises ConfigError, saying what to change, for arguments `generate()` cannot run."""
+def _positive(name: str, value) -> None:
+  if not is_int(value) or value < 1:
+    raise ConfigError(f"{name} must be an int >= 1, got {value!r}.")
+
+
+def validate_values(*, mode, block_size, gate, max_stages, schedule, draft_backoff,
+                    tree_budget, confidence, fixed_width) -> None:
+  """The checks that need no target nor drafter (None: a value the profile fills in).
+
+  A command line runs them before it loads anything; `validate` runs them again
+  on the resolved values.
+  """
   validate_mode(mode)
   if not is_int(tree_budget) or tree_budget < 0:
     raise ConfigError(f"tree_budget must be an int >= 0 (0 = chains), got {tree_budget!r}.")
   if tree_budget and mode == "ar":
     raise ConfigError("tree_budget > 0 needs mode 'sd' or 'dloop' (and a drafter).")
-  if schedule not in schedule_lib.SCHEDULES:
+  if schedule is not None and schedule not in schedule_lib.SCHEDULES:
     raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}.")
   if confidence not in schedule_lib.CONFIDENCES:
     raise ConfigError(f"confidence must be one of {schedule_lib.CONFIDENCES}, got"
                       f" {confidence!r}.")
   if draft_backoff is not None and (not is_int(draft_backoff) or draft_backoff < 0):
     raise ConfigError(f"draft_backoff must be None or an int >= 0 (rounds), got {draft_backoff!r}.")
-  if not is_int(max_new_tokens) or max_new_tokens < 1:
-    raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+  if fixed_width is not None and (not is_int(fixed_width) or fixed_width < 0):
+    raise ConfigError(f"fixed_width must be an int >= 0 (0 = each forward as wide as its"
+                      f" tokens), got {fixed_width!r}.")
+  if mode == "ar":
+    return
+  if block_size is not None:
+    _positive("block_size (gamma)", block_size)
+  if max_stages is not None:
+    _positive("max_stages (S_max)", max_stages)
+  if (isinstance(gate, bool) or not isinstance(gate, (numbers.Real, np.floating, np.integer))
+      or math.isnan(float(gate))):
+    raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
+
+
+def validate(*, mode, drafter, block_size, gate, max_stages, target, schedule, draft_backoff,
+             tree_budget, confidence, fixed_width) -> None:
+  """Raises ConfigError, saying what to change, for resolved options `generate()` cannot run."""
+  validate_values(mode=mode, block_size=block_size, gate=gate, max_stages=max_stages,
+                  schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget,
+                  confidence=confidence, fixed_width=fixed_width)
+  if schedule is None:
+    raise ConfigError(f"schedule must be one of {schedule_lib.SCHEDULES}, got None.")
   if mode == "ar":
     return
   if drafter is None:
     raise ConfigError(f"mode {mode!r} needs a drafter (pass drafter=...), or use mode='ar'.")
-  if not is_int(block_size) or block_size < 1:
-    raise ConfigError(f"block_size (gamma) must be an int >= 1, got {block_size!r}.")
+  _positive("block_size (gamma)", block_size)
   limit = drafter.max_block_size()
   if limit is not None and block_size > limit:
     raise ConfigError(f"block_size {block_size} exceeds what drafter {drafter.name!r} can draft"
                       f" in one stage ({limit}).")
-  if not is_int(max_stages) or max_stages < 1:
-    raise ConfigError(f"max_stages (S_max) must be an int >= 1, got {max_stages!r}.")
-  if (isinstance(gate, bool) or not isinstance(gate, (numbers.Real, np.floating, np.integer))
-      or math.isnan(float(gate))):
-    raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
+  _positive("max_stages (S_max)", max_stages)
   drafter.check_target(target.config)
   if confidence == "drafter" and not drafter.has_confidence:
     raise ConfigError(f"confidence='drafter' needs a drafter with a learned confidence (DSpark's"
                       f" confidence head); drafter {drafter.name!r} has none: use"
                       " confidence='probability' (or 'auto').")
   validate_tree(drafter=drafter, tree_budget=tree_budget)
+
+
+def validate_max_new_tokens(max_new_tokens) -> None:
+  if not is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+
+
+def asks_free_widths(*, fixed_width, schedule, tree_budget) -> bool:
+  """Whether the options ask for free verification widths, whatever the profile:
+  fixed_width=0, schedule "cost" or a draft tree (`resolve_shape`)."""
+  return fixed_width == 0 or schedule == "cost" or (is_int(tree_budget) and tree_budget > 0)
 
 
 def full_verification_width(*, mode: str, block_size: int, max_stages: int) -> int:
@@ -92,9 +127,8 @@ def loop_shape_for_width(width: int, *, drafter_block_size: int,
 def validate_fixed_width(*, fixed_width, mode, block_size, max_stages, schedule,
                          tree_budget) -> None:
   """`generate(fixed_width=...)`: every target forward at one width."""
-  if not is_int(fixed_width) or fixed_width < 0:
-    raise ConfigError(f"fixed_width must be an int >= 0 (0 = each forward as wide as its"
-                      f" tokens), got {fixed_width!r}.")
+  validate_values(mode=mode, block_size=None, gate=0.0, max_stages=None, schedule=None,
+                  draft_backoff=None, tree_budget=0, confidence="auto", fixed_width=fixed_width)
   if not fixed_width or mode == "ar":
     return
   if is_int(tree_budget) and tree_budget > 0:
@@ -155,12 +189,21 @@ def resolve_shape(*, target, mode, drafter, block_size, max_stages, schedule, fi
   W holds widen W to 1 + stages * gamma, in every mode alike: `ar` with the
   same options runs at the same width, the exact reference of the others.
   An f32 target runs at free widths (schedule "cost" for chains, "off" for
-  trees).
+  trees). At a width W given, dloop without a block_size whose S_max stages of
+  the drafter's gamma W cannot verify whole drafts the loop W does (as at the
+  profile's width; S_max, default 3, bounds its stages).
   """
   trees = is_int(tree_budget) and tree_budget > 0
   drafter_gamma = getattr(drafter, "block_size", None)
+  if (is_int(fixed_width) and fixed_width > 0 and mode == "dloop" and block_size is None
+      and drafter_gamma and not trees):
+    stages = max_stages if max_stages is not None else profiles.DEFAULT_MAX_STAGES
+    if is_int(stages) and stages > 0 and fixed_width < 1 + stages * drafter_gamma:
+      block_size, max_stages = loop_shape_for_width(
+          fixed_width, drafter_block_size=drafter_gamma, max_stages=stages)
   if fixed_width is None:
-    free = not is_16_bit(target) or trees or schedule == "cost"
+    free = not is_16_bit(target) or asks_free_widths(
+        fixed_width=fixed_width, schedule=schedule, tree_budget=tree_budget)
     if free:
       fixed_width = 0
     else:

@@ -3,14 +3,17 @@
     config = DecodingConfig(mode="dloop", gate=-0.75)
     out = generate(target, prompts, max_new_tokens=64, drafter=drafter, config=config)
     out = generate(target, prompts, max_new_tokens=64, drafter=drafter, config=config,
-                   gate=-0.5)                            # a keyword overrides a field
+                   gate=-1.0)                            # a keyword overrides a field
     wider = config.replace(max_stages=4)
 
-The command line (`python -m infer`), the benchmark and the trainer's engine
-evaluation build one of these instead of repeating the options. Fields left
-None take the backend profile's defaults when `generate()` resolves them
-against a target and a drafter (`resolved`); loading (weights, compute
-dtype) is `load_target`'s, with the same profile.
+This class is the one place a decoding default is written: the command lines
+(`python -m infer`, `python -m infer.bench`, `python -m train.evaluate`) take
+their flags from its fields (`decoding.flags`, every flag's default None), and
+the benchmark's methods and the trainer's engine evaluation each hold one.
+Fields left None take the backend profile's defaults when `resolve` fills
+them in against a target and a drafter, the one resolution `generate()`, the
+command line and the benchmark share; loading (weights, compute dtype) is
+`load_target`'s, with the same profile.
 """
 
 from __future__ import annotations
@@ -18,10 +21,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dloop_jax import profiles
 from dloop_jax.decoding import arguments
 from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.errors import ConfigError
+
+# Longest drafting pause (rounds) by default with schedule="cost". Where a
+# drafting stage costs a sizable part of a target step (CPUs), a drafter that
+# keeps failing is worth pausing for long (measured against 8: docs/benchmarks.md,
+# the drafting back-off); a pause that long needs 7 fruitless drafting rounds in
+# a row, and the first accepted draft resets it. At a fixed width (schedule
+# "off") a paused step costs what a verification costs, so a pause saves only
+# the drafting stage and gives up drafts the forward would have verified at no
+# extra cost: no back-off (docs/decoding.md, the drafting back-off).
+DEFAULT_DRAFT_BACKOFF = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +53,8 @@ class DecodingConfig:
     tree_budget: nodes per stage of a draft tree; 0 for chains.
     fixed_width: the width of every forward after prefill; 0 free widths;
       None the profile's (16-bit targets) or free (f32 targets).
-    draft_backoff: longest drafting pause in rounds (None: by schedule).
+    draft_backoff: longest drafting pause in rounds (None:
+      `DEFAULT_DRAFT_BACKOFF` with schedule "cost", else 0).
     costs: the scheduler's cost table (None: cached or the profile's default).
     width_tolerance: with schedule="cost", a width whose forward costs within
       this fraction of a wider compiled width's is not compiled (the
@@ -100,3 +115,64 @@ class DecodingConfig:
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(DecodingConfig))
+
+
+def check(config: DecodingConfig) -> None:
+  """Raises ConfigError for a value no target or drafter could run.
+
+  The checks that need neither (`resolve` runs the others): a command line
+  runs them before it loads anything.
+  """
+  if not isinstance(config, DecodingConfig):
+    raise ConfigError(f"config must be a DecodingConfig, got {type(config).__name__}.")
+  c = config
+  arguments.validate_values(mode=c.mode, block_size=c.block_size, gate=c.gate,
+                            max_stages=c.max_stages, schedule=c.schedule,
+                            draft_backoff=c.draft_backoff, tree_budget=c.tree_budget,
+                            confidence=c.confidence, fixed_width=c.fixed_width)
+  if not isinstance(c.sampling, sampling_lib.SamplingConfig):
+    raise ConfigError("sampling must be a SamplingConfig.")
+  lookup_lib.validate(lookup=c.lookup, min_match=c.lookup_min_match,
+                      max_probability=c.lookup_max_probability, mode=c.mode,
+                      greedy=c.sampling.greedy, tree_budget=c.tree_budget)
+  if not (isinstance(c.width_tolerance, (int, float)) and c.width_tolerance >= 0):
+    raise ConfigError(f"width_tolerance must be a number >= 0 (0 compiles every width), got"
+                      f" {c.width_tolerance!r}.")
+  if isinstance(c.profile, str):
+    profiles.resolve(c.profile)  # the name
+
+
+def resolve(config: DecodingConfig, *, target, drafter=None) -> DecodingConfig:
+  """`config` resolved for `target` and `drafter`, or a ConfigError saying what to change.
+
+  The one resolution of a decoding config: `generate()` runs what it returns,
+  the command line reports it and the benchmark enumerates candidate configs
+  through it (skipping those it refuses). Every None is filled in
+  (`resolved`: block_size, max_stages, schedule, fixed_width and lookup from
+  the profile; draft_backoff by the schedule), and every check that needs no
+  prompt runs: exactness of 16-bit targets, fixed widths, the drafter's fit,
+  trees, the lookup stage.
+
+  Args:
+    config: the options.
+    target: the target `Transformer` (its weight / compute dtypes and config).
+    drafter: the drafter of "sd" / "dloop" (None for "ar").
+  """
+  check(config)
+  c = config.resolved(target=target, drafter=drafter)
+  arguments.validate_exactness(target=target, mode=c.mode, fixed_width=c.fixed_width,
+                               tree_budget=c.tree_budget, allow_inexact=c.allow_inexact)
+  arguments.validate_fixed_width(fixed_width=c.fixed_width, mode=c.mode,
+                                 block_size=c.block_size, max_stages=c.max_stages,
+                                 schedule=c.schedule, tree_budget=c.tree_budget)
+  arguments.validate(mode=c.mode, drafter=drafter, block_size=c.block_size, gate=c.gate,
+                     max_stages=c.max_stages, target=target, schedule=c.schedule,
+                     draft_backoff=c.draft_backoff, tree_budget=c.tree_budget,
+                     confidence=c.confidence, fixed_width=c.fixed_width)
+  lookup_lib.validate(lookup=c.lookup, min_match=c.lookup_min_match,
+                      max_probability=c.lookup_max_probability, mode=c.mode,
+                      greedy=c.sampling.greedy, tree_budget=c.tree_budget)
+  if c.draft_backoff is None:
+    cost = c.mode != "ar" and c.schedule == "cost"
+    c = dataclasses.replace(c, draft_backoff=DEFAULT_DRAFT_BACKOFF if cost else 0)
+  return c

@@ -307,6 +307,11 @@ DEFAULT_TABLES = {
 CALIBRATE = "calibrate"
 
 
+class AssumedCostsWarning(UserWarning):
+  """The scheduler decodes with a profile's default cost table: none was measured for this
+  target on this machine (a command line reports it in one line of its own)."""
+
+
 def cached(target, *, batch_size: int, widths: Sequence[int] = (),
            directory: str | None = None) -> CostTable | None:
   """The table `for_target` cached for `target` at `batch_size`, if it covers `widths`; no
@@ -359,7 +364,7 @@ def resolve(value, *, target, batch_size: int, widths: Sequence[int],
             f"No cost table measured for this target at batch size {batch_size} on this machine:"
             f" the scheduler uses the {table.key['default']} profile's default"
             " (decoding.costs.DEFAULT_TABLES). Measure it once with `python -m infer.costs`"
-            " (or generate(costs='calibrate')).", stacklevel=3)
+            " (or generate(costs='calibrate')).", AssumedCostsWarning, stacklevel=3)
   elif isinstance(value, str) and value == CALIBRATE:
     table = for_target(target, batch_size=batch_size, widths=widths)
   else:

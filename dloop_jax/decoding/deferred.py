@@ -30,20 +30,19 @@ rows whose pause is over).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.models import kv_cache as kv_lib
 
-if TYPE_CHECKING:
-  from dloop_jax.drafters.base import Drafter
 
 # Tokens remembered before the memory is committed (K, static): a pause of 8
 # rounds plus the token of the drafting round before it. Longer pauses (the
-# default back-off reaches 64 rounds, `engine.DEFAULT_DRAFT_BACKOFF`) are cut
+# default back-off reaches 64 rounds, `config.DEFAULT_DRAFT_BACKOFF`) are cut
 # into pieces of K; a wider K would make every catch-up forward wider, also the
 # frequent ones after a single fruitless drafting round.
 CAPACITY = 9

@@ -50,7 +50,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +69,12 @@ from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
+from dloop_jax.decoding import stats as stats_lib
 from dloop_jax.decoding import tree_round
 from dloop_jax.decoding import verify as verify_lib
 from dloop_jax.decoding.config import DecodingConfig
-from dloop_jax.decoding.stats import GenerationOutput, RowStats
+from dloop_jax.decoding.drafter import Drafter
+from dloop_jax.decoding.stats import GenerationOutput
 from dloop_jax.errors import ConfigError, PromptTooLongError
 from dloop_jax.models import cpu_kernels
 from dloop_jax.models import kv_cache as kv_lib
@@ -80,16 +82,8 @@ from dloop_jax.models import sharding as sharding_lib
 from dloop_jax.models.registry import LoadedTarget
 from dloop_jax.models.transformer import Transformer
 
-if TYPE_CHECKING:  # drafters import decoding.sampling: avoid an import cycle
-  from dloop_jax.drafters.base import Drafter
 
 MODES = arguments.MODES
-# Longest drafting pause (rounds) by default with schedule="cost". Where a
-# drafting stage costs a sizable part of a target step (CPUs), a drafter that
-# keeps failing is worth pausing for long (measured against 8: docs/benchmarks.md,
-# the drafting back-off); a pause that long needs 7 fruitless drafting rounds in
-# a row, and the first accepted draft resets it.
-DEFAULT_DRAFT_BACKOFF = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +109,11 @@ class _Static:
   # empty: every candidate width.
   choosable: tuple[int, ...] = ()
   # Prompt lookup in the first stage (`decoding.lookup`): off, or its rule's
-  # shortest match and the drafter's first-draft probability below which it fires.
+  # shortest match and the drafter's first-draft probability below which it
+  # fires (the config's; unused, 0, without the lookup).
   lookup: bool = False
-  lookup_min_match: int = 2
-  lookup_max_probability: float = 0.5
+  lookup_min_match: int = 0
+  lookup_max_probability: float = 0.0
 
   @property
   def draft_width(self) -> int:
@@ -156,20 +151,6 @@ class _Static:
 
 
 @struct.dataclass
-class _Stats:
-  rounds: jax.Array  # [B] target forwards after prefill
-  committed: jax.Array  # [B] tokens committed by those rounds
-  drafted: jax.Array  # [B]
-  verified: jax.Array  # [B] drafts verified (<= drafted)
-  plain_rounds: jax.Array  # [B] rounds that verified no draft
-  accepted: jax.Array  # [B]
-  drafter_forwards: jax.Array  # [B]
-  target_tokens: jax.Array  # [B] tokens read by target forwards, prefill excluded
-  stage_hist: jax.Array  # [B, S_max + 1] rounds by number of stages drafted
-  lookup_rounds: jax.Array  # [B] rounds whose first stage took prompt-lookup drafts
-
-
-@struct.dataclass
 class _Loop:
   cache: kv_lib.KVCache
   drafter_state: Any
@@ -178,7 +159,7 @@ class _Loop:
   num_new: jax.Array  # [B]
   done: jax.Array  # [B] bool
   features: jax.Array  # [B, C, n_taps, D] captured target taps (AR capture only)
-  stats: _Stats
+  stats: stats_lib.DeviceStats  # `RowStats`' counters per row
   backoff: draft_policy.Backoff  # which rows draft this round
   deferred: deferred_lib.Deferred | None  # what the drafter reads when drafting resumes
   round: jax.Array  # scalar
@@ -333,11 +314,9 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
         starts=jnp.zeros((b,), jnp.int32), counts=prompt_lengths)
 
   zeros = jnp.zeros((b,), jnp.int32)
-  stats = _Stats(rounds=zeros, committed=zeros, drafted=zeros, verified=zeros,
-                 plain_rounds=zeros, accepted=zeros,
-                 drafter_forwards=zeros + (1 if drafter is not None else 0),
-                 target_tokens=zeros,
-                 stage_hist=jnp.zeros((b, s.max_stages + 1), jnp.int32), lookup_rounds=zeros)
+  # The commit after the prefill is the drafter's first forward.
+  stats = stats_lib.device_zeros(batch_size=b, max_stages=s.max_stages,
+                                 drafter_forwards=zeros + (1 if drafter is not None else 0))
   loop = _Loop(cache=cache, drafter_state=drafter_state, pending=first, out=out,
                num_new=counts, done=done, features=features, stats=stats,
                backoff=draft_policy.Backoff.create(b),
@@ -378,7 +357,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     if s.capture_taps:
       features = kv_lib.write_rows(features, tapped, starts)
     st = lp.stats
-    st = st.replace(rounds=st.rounds + active, committed=st.committed + counts,
+    st = st.replace(rounds=st.rounds + active,
+                    committed_in_rounds=st.committed_in_rounds + counts,
                     target_tokens=st.target_tokens + active * step_width)
     return lp.replace(
         cache=cache.with_lengths(jnp.where(active, starts + 1, starts)),
@@ -493,10 +473,10 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
     deferred = deferred_lib.push(lp.deferred, token=lp.pending, features=tapped,
                                  next_token=token, committed=committed)
     st = lp.stats
-    st = st.replace(rounds=st.rounds + act, committed=st.committed + counts,
+    st = st.replace(rounds=st.rounds + act, committed_in_rounds=st.committed_in_rounds + counts,
                     plain_rounds=st.plain_rounds + act,
                     target_tokens=st.target_tokens + act * step_width,
-                    stage_hist=st.stage_hist.at[:, 0].add(act))
+                    stage_histogram=st.stage_histogram.at[:, 0].add(act))
     return lp.replace(
         cache=cache.with_lengths(jnp.where(committed, starts + 1, starts)),
         deferred=deferred, pending=jnp.where(committed, token, lp.pending),
@@ -568,6 +548,12 @@ def _bucket(n: int, *, minimum: int = 16) -> int:
   return power * 3 // 4 if power * 3 // 4 >= n and power >= 4 else power
 
 
+def prompt_width(longest: int) -> int:
+  """The width a batch whose longest prompt has `longest` tokens is padded to: with the
+  cache capacity it follows from, what a compiled program is specialized to."""
+  return _bucket(longest)
+
+
 def _prepare(
     target: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -581,33 +567,15 @@ def _prepare(
     grow_cache: bool = False,
 ) -> tuple[_Static, tuple]:
   """Validates arguments; returns the static key and the array arguments."""
-  if not isinstance(config, DecodingConfig):
-    raise ConfigError(f"config must be a DecodingConfig, got {type(config).__name__}.")
-  arguments.validate_mode(config.mode)
-  if grow_cache and config.fixed_width is None:
-    config = config.replace(fixed_width=0)
-  config = config.resolved(target=target, drafter=drafter)
+  if isinstance(config, DecodingConfig):
+    arguments.validate_mode(config.mode)
+    if grow_cache and config.fixed_width is None:
+      config = config.replace(fixed_width=0)  # a growing cache runs at free widths
+  config = config_lib.resolve(config, target=target, drafter=drafter)
+  arguments.validate_max_new_tokens(max_new_tokens)
   mode, block_size, gate = config.mode, config.block_size, config.gate
-  max_stages, sampling, schedule = config.max_stages, config.sampling, config.schedule
-  costs, draft_backoff, tree_budget = config.costs, config.draft_backoff, config.tree_budget
-  confidence, fixed_width, profile = config.confidence, config.fixed_width, config.profile
-  arguments.validate_exactness(target=target, mode=mode, fixed_width=fixed_width,
-                               tree_budget=tree_budget, allow_inexact=config.allow_inexact)
-  arguments.validate_fixed_width(fixed_width=fixed_width, mode=mode, block_size=block_size,
-                                 max_stages=max_stages, schedule=schedule,
-                                 tree_budget=tree_budget)
-  arguments.validate(mode=mode, drafter=drafter, block_size=block_size, gate=gate,
-            max_stages=max_stages, max_new_tokens=max_new_tokens, target=target,
-            schedule=schedule, draft_backoff=draft_backoff, tree_budget=tree_budget,
-            confidence=confidence)
-  if not isinstance(sampling, sampling_lib.SamplingConfig):
-    raise ConfigError("sampling must be a SamplingConfig.")
-  lookup_lib.validate(lookup=config.lookup, min_match=config.lookup_min_match,
-                      max_probability=config.lookup_max_probability, mode=mode,
-                      greedy=sampling.greedy, tree_budget=tree_budget)
-  if not (isinstance(config.width_tolerance, (int, float)) and config.width_tolerance >= 0):
-    raise ConfigError(f"width_tolerance must be a number >= 0 (0 compiles every width), got"
-                      f" {config.width_tolerance!r}.")
+  max_stages, sampling = config.max_stages, config.sampling
+  tree_budget, confidence, fixed_width = config.tree_budget, config.confidence, config.fixed_width
   if capture_taps and mode != "ar":
     raise ConfigError("capture_taps is only supported in mode='ar'.")
   if grow_cache and mode != "ar":
@@ -634,7 +602,7 @@ def _prepare(
   is_ar = mode == "ar"
   s_max = 1 if is_ar else int(max_stages)
   gamma = 0 if is_ar else int(block_size)
-  tp = _bucket(longest)
+  tp = prompt_width(longest)
   # Room past the last token for the widest write: a verification, or the
   # drafter's commit of a pause (`deferred`), which starts before the end.
   capacity = _bucket(
@@ -645,11 +613,12 @@ def _prepare(
                                    else (None, None))
   static = _Static(
       target_graph=target_graph, drafter_graph=drafter_graph, mode=mode, block_size=gamma,
-      max_stages=s_max, schedule=schedule if not is_ar else "off", sampling=sampling,
+      max_stages=s_max, sampling=sampling,
       stop_slots=_stop_slots(len(stops)),
       capture_taps=tuple(int(t) for t in capture_taps), batch_size=len(prompts),
       prompt_width=tp, capacity=capacity, tree_budget=int(tree_budget) if not is_ar else 0,
-      grow_cache=bool(grow_cache), fixed_width=int(fixed_width))
+      grow_cache=bool(grow_cache), fixed_width=int(fixed_width), schedule=(
+          config.schedule if not is_ar else "off"))
   if config.lookup == "prompt":  # only then do its options shape the program
     static = dataclasses.replace(
         static, lookup=True, lookup_min_match=int(config.lookup_min_match),
@@ -663,8 +632,8 @@ def _prepare(
   stop_array[:len(stops)] = stops
   key = jax.random.key(seed) if isinstance(seed, int) else seed
   if static.schedule == "cost":
-    cost = costs_lib.resolve(costs, target=target, batch_size=len(prompts), widths=static.widths,
-                             profile=profile)
+    cost = costs_lib.resolve(config.costs, target=target, batch_size=len(prompts),
+                             widths=static.widths, profile=config.profile)
     keep = schedule_lib.choosable_widths(static.widths, [float(c) for c in cost],
                                          tolerance=config.width_tolerance)
     if keep != static.widths:
@@ -672,15 +641,10 @@ def _prepare(
       static = dataclasses.replace(static, choosable=keep)
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
-  if draft_backoff is None:
-    # At a fixed width a paused step costs what a verification costs, so a pause
-    # saves only the drafting stage and gives up drafts the forward would have
-    # verified at no extra cost (docs/decoding.md, the drafting back-off).
-    draft_backoff = DEFAULT_DRAFT_BACKOFF if static.schedule == "cost" else 0
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths),
           jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_array), key,
           jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
-          jnp.asarray(draft_backoff, jnp.int32),
+          jnp.asarray(config.draft_backoff, jnp.int32),
           jnp.asarray(confidence != "probability" and not is_ar and drafter.has_confidence))
   if target.mesh is not None:
     # A target placed on a mesh: rows over its data axis, the rest replicated;
@@ -813,7 +777,7 @@ def generate(
       drafting after rounds whose drafts were all rejected or not worth
       verifying (`decoding.draft_policy`: pauses double from 1 up to this;
       rounds in a pause are plain decode steps); 0 drafts every round. None:
-      `DEFAULT_DRAFT_BACKOFF` with schedule="cost", else 0 (fixed widths too). A traced
+      `config.DEFAULT_DRAFT_BACKOFF` with schedule="cost", else 0 (fixed widths too). A traced
       value: changing it does not recompile.
     lookup: ("sd" / "dloop", greedy chains) "prompt": where the newest
       `lookup_min_match`..3 tokens of a row occurred earlier in its prompt or
@@ -876,18 +840,7 @@ def generate(
   out = np.asarray(jax.device_get(out))
   seconds = time.perf_counter() - t0
   num_new = np.asarray(num_new)
-  stats = jax.device_get(stats)
-  rows = []
-  for i in range(len(prompts)):
-    n = int(num_new[i])
-    rows.append(RowStats(
-        new_tokens=n, rounds=int(stats.rounds[i]), committed_in_rounds=int(stats.committed[i]),
-        drafted=int(stats.drafted[i]), verified=int(stats.verified[i]),
-        plain_rounds=int(stats.plain_rounds[i]), accepted=int(stats.accepted[i]),
-        drafter_forwards=int(stats.drafter_forwards[i]) if not is_ar else 0,
-        target_tokens=int(stats.target_tokens[i]),
-        stage_histogram=[int(x) for x in stats.stage_hist[i]] if not is_ar else [],
-        lookup_rounds=int(stats.lookup_rounds[i])))
+  rows = stats_lib.to_rows(stats, num_new, speculative=not is_ar)
   feats = None
   if capture_taps:
     feats_np = np.asarray(features)

@@ -128,17 +128,17 @@ def finish_round(lp, *, v: Verified, drafter, drafter_state: Any,
   act = active.astype(jnp.int32)
   st = st.replace(
       rounds=st.rounds + act,
-      committed=st.committed + counts,
+      committed_in_rounds=st.committed_in_rounds + counts,
       drafted=st.drafted + act * num_drafted,
       verified=st.verified + act * num_verified,
       plain_rounds=st.plain_rounds + act * (num_verified == 0),
       accepted=st.accepted + jnp.minimum(v.num_accepted, counts),
       # Drafting, the commit if it ran now, and the commit of what the drafter
-      # had not read before the round, if any (see `drafters.base`).
+      # had not read before the round, if any (see `decoding.drafter`).
       drafter_forwards=st.drafter_forwards + act * (
           drafter.drafting_forwards(block_size, num_stages) + read_now) + caught_up,
       target_tokens=st.target_tokens + act * v.width,
-      stage_hist=st.stage_hist + act[:, None] * jax.nn.one_hot(
+      stage_histogram=st.stage_histogram + act[:, None] * jax.nn.one_hot(
           num_stages, max_stages + 1, dtype=jnp.int32))
   return lp.replace(
       cache=v.cache.with_lengths(jnp.where(committed, starts + counts, starts)),

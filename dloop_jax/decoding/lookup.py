@@ -55,7 +55,7 @@ class Proposal:
 
 
 def propose(*, history: jax.Array, lengths: jax.Array, block_size: int,
-            min_match: int = 2) -> Proposal:
+            min_match: int) -> Proposal:
   """The lookup's drafts after each row's committed tokens.
 
   For n = `MAX_NGRAM` down to `min_match`, the newest earlier occurrence of

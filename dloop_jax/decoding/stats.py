@@ -1,10 +1,21 @@
-"""What `generate()` returns: tokens and per-row / total statistics."""
+"""What `generate()` returns: tokens and per-row / total statistics.
+
+`RowStats` is the one definition of the statistics: the decode program keeps
+its counters (`COUNTERS`) as `DeviceStats`, a pytree of per-row arrays of the
+same names, `to_rows` turns those into `RowStats`, and the benchmark records
+`RowStats.as_dict()`; a new counter is a new field of `RowStats`, and
+everything else follows from it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,6 +72,49 @@ class RowStats:
     return d
 
 
+# The counters the decode program keeps per row: every field but `new_tokens`
+# (the program's own output length).
+COUNTERS = tuple(f.name for f in dataclasses.fields(RowStats) if f.name != "new_tokens")
+HISTOGRAM = "stage_histogram"  # [B, S_max + 1]; the other counters are [B]
+
+DeviceStats: Any = struct.dataclass(type("DeviceStats", (), {
+    "__module__": __name__,
+    "__qualname__": "DeviceStats",
+    "__annotations__": {name: "jax.Array" for name in COUNTERS},
+    "__doc__": "`RowStats`' counters inside the decode program, as int32 arrays ([B] each;"
+               " stage_histogram [B, S_max + 1]: rounds by stages drafted).",
+}))
+
+
+def device_zeros(*, batch_size: int, max_stages: int, **start: jax.Array) -> Any:
+  """`DeviceStats` of zeros, but for the counters given in `start`."""
+  zero = jnp.zeros((batch_size,), jnp.int32)
+  zeros = {name: zero for name in COUNTERS}
+  zeros[HISTOGRAM] = jnp.zeros((batch_size, max_stages + 1), jnp.int32)
+  return DeviceStats(**{**zeros, **start})
+
+
+def to_rows(stats: Any, num_new: np.ndarray, *, speculative: bool) -> list[RowStats]:
+  """One `RowStats` per row of the program's `DeviceStats` (fetched to the host).
+
+  Args:
+    stats: the program's counters.
+    num_new: [B] new tokens per row.
+    speculative: mode "sd" / "dloop" ("ar" counts no drafter forwards and
+      keeps no stage histogram).
+  """
+  stats = jax.device_get(stats)
+  rows = []
+  for i, n in enumerate(np.asarray(num_new)):
+    values = {name: int(getattr(stats, name)[i]) for name in COUNTERS if name != HISTOGRAM}
+    values[HISTOGRAM] = ([int(x) for x in getattr(stats, HISTOGRAM)[i]] if speculative
+                         else [])
+    if not speculative:
+      values["drafter_forwards"] = 0
+    rows.append(RowStats(new_tokens=int(n), **values))
+  return rows
+
+
 @dataclasses.dataclass(kw_only=True)
 class GenerationOutput:
   """Result of one `generate()` call.
@@ -96,18 +150,9 @@ class GenerationOutput:
     hist_len = max((len(r.stage_histogram) for r in self.rows), default=0)
     hist = [sum(r.stage_histogram[i] for r in self.rows if i < len(r.stage_histogram))
             for i in range(hist_len)]
-    return RowStats(
-        new_tokens=sum(r.new_tokens for r in self.rows),
-        rounds=sum(r.rounds for r in self.rows),
-        committed_in_rounds=sum(r.committed_in_rounds for r in self.rows),
-        drafted=sum(r.drafted for r in self.rows),
-        verified=sum(r.verified for r in self.rows),
-        plain_rounds=sum(r.plain_rounds for r in self.rows),
-        accepted=sum(r.accepted for r in self.rows),
-        drafter_forwards=sum(r.drafter_forwards for r in self.rows),
-        target_tokens=sum(r.target_tokens for r in self.rows),
-        stage_histogram=hist,
-        lookup_rounds=sum(r.lookup_rounds for r in self.rows))
+    sums = {f.name: sum(getattr(r, f.name) for r in self.rows)
+            for f in dataclasses.fields(RowStats) if f.name != HISTOGRAM}
+    return RowStats(**sums, stage_histogram=hist)
 
   @property
   def tokens_per_second(self) -> float:

@@ -4,7 +4,8 @@
     out = generate(target, prompts, max_new_tokens=64, mode="dloop", drafter=drafter)
 """
 
-from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, TreeStage, VocabMap
+from dloop_jax.decoding.drafter import Drafter, DraftStage, TreeStage
+from dloop_jax.drafters.base import Frozen, VocabMap
 from dloop_jax.drafters.block import BlockDrafter, BlockState
 from dloop_jax.drafters.domino import DominoDrafter, DominoState
 from dloop_jax.drafters.dspark import DSparkDrafter

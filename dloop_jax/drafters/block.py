@@ -61,7 +61,8 @@ from flax import struct
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.drafters import layers
 from dloop_jax.drafters import vocab as vocab_lib
-from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, TreeStage, VocabMap
+from dloop_jax.decoding.drafter import Drafter, DraftStage, TreeStage
+from dloop_jax.drafters.base import Frozen, VocabMap
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.errors import ConfigError
 from dloop_jax.models import kv_cache as kv_lib

@@ -54,7 +54,7 @@ from flax import struct
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.drafters import layers
 from dloop_jax.decoding import tree as tree_lib
-from dloop_jax.drafters.base import DraftStage, TreeStage
+from dloop_jax.decoding.drafter import DraftStage, TreeStage
 from dloop_jax.drafters.block import BlockDrafter, BlockState
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.models.transformer import Transformer, rms_norm, take_rows

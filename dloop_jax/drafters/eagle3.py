@@ -48,7 +48,8 @@ from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import tree as tree_lib
 from dloop_jax.drafters import layers
 from dloop_jax.drafters import vocab as vocab_lib
-from dloop_jax.drafters.base import Drafter, DraftStage, Frozen, TreeStage, VocabMap
+from dloop_jax.decoding.drafter import Drafter, DraftStage, TreeStage
+from dloop_jax.drafters.base import Frozen, VocabMap
 from dloop_jax.drafters.spec import DrafterSpec
 from dloop_jax.drafters.vocab import draft_vocab_from_counts, token_counts  # noqa: F401 (re-exported)
 from dloop_jax.errors import ConfigError

@@ -60,7 +60,7 @@ from flax import nnx
 from dloop_jax import mesh as mesh_lib
 from dloop_jax.drafters import variables as variables_lib
 from dloop_jax.drafters import vocab as vocab_lib
-from dloop_jax.drafters.base import Drafter
+from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.drafters.block import BlockDrafter
 from dloop_jax.drafters.eagle3 import Eagle3Drafter
 from dloop_jax.drafters.domino import DominoDrafter

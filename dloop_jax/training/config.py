@@ -26,7 +26,8 @@ from dloop_jax.training import sharding as sharding_lib
 OBJECTIVES = ("eagle3_ttt", "block", "dspark", "domino", "loop_aware")
 DTYPES = ("float32", "bfloat16")
 DISTRIBUTED_MODES = distributed_lib.MODES
-FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides")
+# Sections whose keys their own code checks (`eval.decoding`: DecodingConfig's fields).
+FREE_FORM = ("drafter", "objective_cfg", "data.options", "target.overrides", "eval.decoding")
 # Drafter kinds trained over the full vocabulary only: their objectives read
 # whole distributions at target ids (labels, the target's probabilities). A
 # trained one is restricted to a draft vocabulary afterwards, its weights kept
@@ -149,7 +150,10 @@ def base_config() -> ml_collections.ConfigDict:
       max_prompt_tokens=512,
       max_new_tokens=64,
       modes=("sd", "dloop"),
-      gate=-0.5,  # dloop's gate
+      # Fields of DecodingConfig (gate, max_stages, schedule, lookup, ...) that
+      # override how the evaluation decodes (`engine_eval.EVAL_DECODING`:
+      # every draft verified, free widths), e.g. c.eval.decoding.gate = -1.0.
+      decoding=ml_collections.ConfigDict(),
       data_dir="",  # "bench": where the ShareGPT held-out prompts are ("" = default)
       keep_best="engine_tau_sd",  # export the best step by this metric to <workdir>/best
       # Early stopping: stop once this many evaluations in a row found no new
@@ -168,6 +172,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.progress_bar = True
   c.tensorboard = True
   c.lock()
+  c.eval.decoding.unlock()  # takes any field of DecodingConfig, checked by `validate`
   return c
 
 
@@ -278,6 +283,8 @@ def validate(config: Mapping[str, Any]) -> None:
   if e["keep_best"] == HELDOUT_BEST and not e["heldout_every_steps"]:
     raise ConfigError(f"eval.keep_best={HELDOUT_BEST!r} needs eval.heldout_every_steps > 0 (and"
                       " data.heldout_examples).")
+  from dloop_jax.training import engine_eval  # pylint: disable=g-import-not-at-top
+  engine_eval.decoding(e.get("decoding") or {})
   if e["every_steps"]:
     modes = tuple(e["modes"])
     if not modes or any(m not in ("sd", "dloop") for m in modes):

@@ -16,14 +16,21 @@ drafter's structure does not change, only its weights).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from dloop_jax.decoding.config import DecodingConfig, check
 from dloop_jax.errors import ConfigError
+
+# How the evaluation decodes, where it differs from `generate()`'s defaults:
+# every draft verified (τ is the drafter's, not the scheduler's), no
+# prompt-lookup drafts, forwards as wide as their tokens, and a 16-bit target
+# allowed there (τ only: its tokens need not reproduce ar's).
+EVAL_DECODING = DecodingConfig(schedule="off", lookup="off", fixed_width=0, allow_inexact=True)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineEval:
@@ -34,32 +41,23 @@ class EngineEval:
     stop_tokens: generation stops at these (the tokenizer's end of turn).
     max_new_tokens: new tokens per prompt.
     modes: "sd" and / or "dloop".
-    gate: dloop's gate.
-    block_size: dloop's drafts per stage (None: the drafter's gamma; `sd`
-      always drafts the drafter's gamma).
-    max_stages: dloop's S_max (None: `generate`'s default).
-    fixed_width: every target forward this many tokens wide (0: as wide as
-      its tokens); see `generate(fixed_width=...)`.
-    tree_budget: draft trees of this many nodes a stage (0: chains); see
-      `generate(tree_budget=...)`.
-    schedule: "off" (every draft verified: τ is the drafter's) or "cost" (the
-      scheduler verifies the prefix that pays, as `generate()` does by
-      default at free widths: τ is what a user gets).
-    lookup: "off" or "prompt" (`generate(lookup=...)`: prompt-lookup drafts in
-      the first stage; greedy chains).
+    decoding: the options of every mode (its `mode` is each of `modes`);
+      `block_size` and `max_stages` shape dloop's loop only (`sd` drafts
+      one stage of the drafter's gamma). schedule="cost" and lookup="prompt"
+      measure the τ users get instead of the drafter's.
   """
 
   prompts: tuple[tuple[int, ...], ...]
   stop_tokens: tuple[int, ...] = ()
   max_new_tokens: int = 64
   modes: tuple[str, ...] = ("sd", "dloop")
-  gate: float = -0.5
-  block_size: int | None = None
-  max_stages: int | None = None
-  fixed_width: int = 0
-  tree_budget: int = 0
-  schedule: str = "off"
-  lookup: str = "off"
+  decoding: DecodingConfig = EVAL_DECODING
+
+  def config(self, mode: str) -> DecodingConfig:
+    """The decoding config of `mode`."""
+    if mode == "dloop":
+      return self.decoding.replace(mode=mode)
+    return self.decoding.replace(mode=mode, block_size=None, max_stages=None)
 
   def __call__(self, target: Any, drafter: Any) -> dict[str, float]:
     """τ per mode, dloop's multi-stage share and the seconds, for `drafter` on `target`.
@@ -72,15 +70,9 @@ class EngineEval:
     from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
     start = time.perf_counter()
     out: dict[str, float] = {}
-    shape = {k: v for k, v in (("block_size", self.block_size),
-                               ("max_stages", self.max_stages)) if v is not None}
     for mode in self.modes:
       result = generate(target, [list(p) for p in self.prompts], max_new_tokens=self.max_new_tokens,
-                        mode=mode, drafter=drafter, gate=self.gate, schedule=self.schedule,
-                        stop_tokens=self.stop_tokens, fixed_width=self.fixed_width,
-                        tree_budget=self.tree_budget, lookup=self.lookup,
-                        # τ only: a 16-bit target's free widths need not reproduce ar's tokens.
-                        allow_inexact=True, **(shape if mode == "dloop" else {}))
+                        drafter=drafter, config=self.config(mode), stop_tokens=self.stop_tokens)
       total = result.total
       out[f"engine_tau_{mode}"] = float(total.acceptance_length)
       if mode == "dloop":
@@ -97,11 +89,7 @@ def _chat_ids(tokenizer: Any, text: str) -> list[int]:
 def _candidates(source: str, *, num_prompts: int, data_dir: str) -> list[tuple[str, str]]:
   """(group, text) pairs: "bench" groups by category, a file is one group."""
   if source == "bench":
-    try:
-      from infer.bench import prompts as bench_prompts  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ConfigError(f"eval.prompts='bench' needs the project's `infer` package ({e}); use a"
-                        " JSONL prompts file instead.") from e
+    from dloop_jax.data import bench_prompts  # pylint: disable=g-import-not-at-top
     rows = bench_prompts.load(bench_prompts.CATEGORIES, per_category=num_prompts,
                               data_dir=data_dir or None)
     return [(row.category, row.text) for row in rows]
@@ -115,7 +103,8 @@ def from_config(eval_config: Mapping[str, Any], *, target: Any, tokenizer: Any,
 
   Args:
     eval_config: `prompts`, `num_prompts`, `max_prompt_tokens`,
-      `max_new_tokens`, `modes`, `gate`, `data_dir`.
+      `max_new_tokens`, `modes`, `data_dir` and `decoding` (fields of
+      `DecodingConfig` that override `EVAL_DECODING`'s).
     target: the target `Transformer` (its context length bounds the prompts).
     tokenizer: the target's tokenizer (None for tiny targets: "random" only).
     seed: "random" prompts' seed.
@@ -148,8 +137,21 @@ def from_config(eval_config: Mapping[str, Any], *, target: Any, tokenizer: Any,
   if not prompts:
     raise ConfigError(f"No eval prompt from {source!r} fits {limit} tokens (eval.max_prompt_tokens"
                       " and the target's context); raise the limit or use other prompts.")
-  gate = float(e["gate"])
-  if math.isnan(gate):
-    raise ConfigError("eval.gate is NaN; use a number (or -inf: every stage).")
   return EngineEval(prompts=tuple(prompts), stop_tokens=stops,
-                    max_new_tokens=int(e["max_new_tokens"]), modes=tuple(e["modes"]), gate=gate)
+                    max_new_tokens=int(e["max_new_tokens"]), modes=tuple(e["modes"]),
+                    decoding=decoding(e.get("decoding") or {}))
+
+
+def decoding(overrides: Mapping[str, Any]) -> DecodingConfig:
+  """`EVAL_DECODING` with `overrides` (the trainer's `eval.decoding`), checked.
+
+  Raises:
+    ConfigError: a field `DecodingConfig` does not have, or a value it refuses.
+  """
+  try:
+    config = EVAL_DECODING.replace(**dict(overrides))
+    for mode in ("sd", "dloop"):
+      check(config.replace(mode=mode))
+  except ConfigError as e:
+    raise ConfigError(f"eval.decoding: {e}") from e
+  return config

@@ -57,6 +57,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _parse(argv):
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="smollm2-135m-instruct",
@@ -73,24 +74,13 @@ def _parse(argv):
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--max-prompt-tokens", type=int, default=512,
                  help="skip prompts longer than this (after the chat template)")
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--block-size", type=int, default=None,
-                 help="gamma for sd and dloop (default: each drafter's trained block size)")
-  p.add_argument("--gate", type=float, default=-0.5, help="DLoop gate g")
-  p.add_argument("--max-stages", type=int, default=3, help="DLoop S_max")
   p.add_argument("--weights", type=_names, default=None,
                  help="storage of our target's weight matrices: f32 and / or bf16. With two"
                       " (f32,bf16), every method of ours also runs on the second storage"
                       " (methods named ...@bf16) against the first's ar. Default: f32, plus"
                       " the profile's weights when they are 16-bit (what python -m infer runs"
                       " by default)")
-  p.add_argument("--profile", choices=("cpu", "gpu", "tpu"), default=None,
-                 help="backend profile of our targets (precision, product forms, the default"
-                      " --weights / --fixed-widths); default: this backend's. 'gpu' on a CPU"
-                      " checks an accelerator's configuration")
   p.add_argument("--modes", default="sd,dloop",
                  help="speculative modes to run with each drafter: sd and / or dloop (our ar,"
                       " the reference of every comparison, always runs)")
@@ -108,12 +98,6 @@ def _parse(argv):
                       " prompt-lookup stage (methods named ...+lookup; greedy only); default:"
                       " python -m infer's (prompt when greedy, off when sampling); the gate"
                       " sweep runs the first")
-  p.add_argument("--draft-backoff", type=int, default=None,
-                 help="longest drafting pause after fruitless rounds (default: 64 with schedule"
-                      " cost, 0 with off; the gate sweep always drafts)")
-  p.add_argument("--costs", default=None,
-                 help="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
-                      " target's cached table, measured on first use)")
   p.add_argument("--tree-budgets", type=_ints, default=[0],
                  help="comma-separated draft tree budgets B (nodes per stage) of sd / dloop; 0"
                       " is the chain (e.g. 0,8,16,32; drafters with draft trees only)")
@@ -146,6 +130,18 @@ def _parse(argv):
                  help="prompts per category of the main run reused by the sweep")
   p.add_argument("--data-dir", default=None, help="where the ShareGPT dataset is (or is built)")
   p.add_argument("--out", default="bench_out", help="output directory")
+  decoding = p.add_argument_group(
+      "decoding (fields of dloop_jax.DecodingConfig, for every method of ours)")
+  flags.add(decoding, ("profile", "block_size", "gate", "max_stages", "draft_backoff", "costs"),
+            sampling=True, help=dict(
+                profile="backend profile of our targets (precision, product forms, the default"
+                        " --weights / --fixed-widths); default: this backend's. 'gpu' on a CPU"
+                        " checks an accelerator's configuration",
+                block_size="gamma for sd and dloop (default: each drafter's trained block"
+                           " size; dloop at a fixed width without it: the loop the width"
+                           " verifies whole)",
+                costs="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
+                      " target's cached table, measured on first use)"))
   return p.parse_args(argv)
 
 
@@ -194,15 +190,11 @@ def _machine(threads: int) -> dict:
 
 
 def _record(prompt, method, run, *, prompt_len: int) -> dict:
+  """One prompt under one method: what it is, its run's statistics (`methods.Run.record`)."""
   return dict(category=prompt.category, set=prompt.set_name, prompt_id=prompt.id,
               prompt_tokens=prompt_len, method=method.method_name,
               drafter=getattr(method, "drafter_label", "") or "",
-              new_tokens=len(run.tokens), seconds=run.seconds,
-              compile_seconds=run.compile_seconds, rounds=run.rounds,
-              committed_in_rounds=run.committed_in_rounds,
-              stage_histogram=run.stage_histogram, target_forwards=run.target_forwards,
-              drafter_forwards=run.drafter_forwards, target_tokens=run.target_tokens,
-              drafted=run.drafted, verified=run.verified, plain_rounds=run.plain_rounds,
+              **run.record(), seconds=run.seconds, compile_seconds=run.compile_seconds,
               tree_budget=getattr(method, "tree_budget", 0),
               mode=getattr(method, "method", method.method_name),
               draft_cost_ratio=_draft_cost_ratio(getattr(method, "drafter", None),
@@ -249,29 +241,45 @@ def _cost_table(args, target, *, weights: str):
   return table
 
 
-def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree_schedules,
-                 fixed_widths, common) -> list:
+def _our_methods(args, *, base, target, drafters, weights: str, modes, schedules,
+                 tree_schedules, fixed_widths, common) -> list:
   """Our methods on one target: ar, then per drafter sd / dloop per schedule and tree budget,
-  and the fixed widths. `weights` names a target other than the reference ("": the reference).
+  and the fixed widths. `base` holds the decoding flags given; `weights` names a target other
+  than the reference ("": the reference).
+
+  Each method is a candidate `DecodingConfig`; one that `decoding.config.resolve` refuses
+  for this target and drafter is left out with the refusal in one line.
   """
   from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
 
   common = dict(common, target=target, weights=weights)
+  methods = []
+
+  def add(config, drafter=None, label="") -> None:
+    """Adds the method of `config`, unless resolve refuses it (then logs why)."""
+    method = methods_lib.Ours(decoding=config, drafter=drafter, drafter_label=label, **common)
+    refusal = _refusal(config, target=target, drafter=drafter)
+    if refusal:
+      _log(f"[bench] {label + ': ' if label else ''}{method.method_name} skipped: {refusal}")
+    else:
+      methods.append(method)
+
   # A 16-bit target's rows at free widths are marked, not refused (`generate(allow_inexact=)`).
-  free_widths = dict(allow_inexact=target is not None and arguments.is_16_bit(target))
+  free = base.replace(fixed_width=0, allow_inexact=arguments.is_16_bit(target))
   costs = None
   if "cost" in schedules + (tree_schedules if any(args.tree_budgets) else []) and drafters:
     costs = _cost_table(args, target, weights=weights)
-  methods = [methods_lib.Ours(method="ar", **common)]
+  add(base.replace(mode="ar", fixed_width=0))
   for label, d in drafters:
-    gamma = args.block_size or d.block_size
+    gamma = base.block_size or d.block_size
     for budget in dict.fromkeys(args.tree_budgets):
       if budget and not d.supports_trees:
         _log(f"[bench] {label}: no draft trees ({d.name}); tree budget {budget} skipped")
         continue
       for mode in modes:
         if budget and mode == "dloop" and budget < gamma:
+          # Runnable, but a stage's tree narrower than a chain is not worth measuring.
           _log(f"[bench] {label}: dloop trees need a budget >= gamma ({gamma});"
                f" budget {budget} skipped")
           continue
@@ -281,40 +289,33 @@ def _our_methods(args, *, target, drafters, weights: str, modes, schedules, tree
           learned = schedule == "cost" and not budget and d.has_confidence
           for confidence in (args.confidences if learned else ["auto"]):
             for lookup in (args.lookups if not budget else ["off"]):  # chains only
-              methods.append(methods_lib.Ours(
-                  method=mode, drafter=d, drafter_label=label, block_size=args.block_size,
-                  gate=args.gate, max_stages=args.max_stages, schedule=schedule, costs=costs,
-                  draft_backoff=args.draft_backoff, tree_budget=budget, confidence=confidence,
-                  lookup=lookup, **free_widths, **common))
+              add(free.replace(mode=mode, schedule=schedule, costs=costs, tree_budget=budget,
+                               confidence=confidence, lookup=lookup), d, label)
   for width in fixed_widths:
-    methods.append(methods_lib.Ours(method="ar", fixed_width=width, **common))
+    add(base.replace(mode="ar", fixed_width=width))
   for label, d in (drafters if fixed_widths else ()):
     for mode in modes:
-      gamma, stages = args.block_size, args.max_stages
-      if mode == "dloop" and args.block_size is None:
-        # The loop the narrowest fixed width that holds two stages verifies whole
-        # (python -m infer's default at W = 5: 2 x 2).
-        width = next((w for w in fixed_widths if w >= 3), None)
-        if width is None:
-          _log(f"[bench] {label}: dloop needs a fixed width of at least 3 (two stages of one"
-               f" draft), got {fixed_widths}; skipped")
-          continue
-        gamma, stages = arguments.loop_shape_for_width(
-            width, drafter_block_size=d.block_size, max_stages=args.max_stages)
-      else:
-        need = arguments.full_verification_width(
-            mode=mode, block_size=gamma or d.block_size, max_stages=stages)
-        width = next((w for w in fixed_widths if w >= need), None)
-        if width is None:
-          _log(f"[bench] {label}: {mode} verifies {need} tokens, wider than every fixed width"
-               f" {fixed_widths}; skipped")
-          continue
       for lookup in args.lookups:
-        methods.append(methods_lib.Ours(
-            method=mode, drafter=d, drafter_label=label, block_size=gamma,
-            gate=args.gate, max_stages=stages, schedule="off",
-            draft_backoff=args.draft_backoff, fixed_width=width, lookup=lookup, **common))
+        # The narrowest width that holds the mode's verification (dloop without a block
+        # size: the loop the width verifies whole, python -m infer's default at W = 5).
+        candidates = [base.replace(mode=mode, schedule="off", fixed_width=w, lookup=lookup)
+                      for w in fixed_widths]
+        fits = next((c for c in candidates
+                     if not _refusal(c, target=target, drafter=d)), candidates[-1])
+        add(fits, d, label)
   return methods
+
+
+def _refusal(config, *, target, drafter) -> str:
+  """Why `decoding.config.resolve` refuses `config` for `target` and `drafter` ("": it
+  does not)."""
+  from dloop_jax.decoding import config as config_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+  try:
+    config_lib.resolve(config, target=target, drafter=drafter)
+  except DLoopError as e:
+    return str(e)
+  return ""
 
 
 def main(argv=None) -> int:
@@ -322,18 +323,21 @@ def main(argv=None) -> int:
   from infer import enable_compilation_cache  # pylint: disable=g-import-not-at-top
   enable_compilation_cache()
 
-  from dloop_jax.decoding import SamplingConfig  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
   from dloop_jax import recorded_paths  # pylint: disable=g-import-not-at-top
   from infer.bench import llama_cpp_peer  # pylint: disable=g-import-not-at-top
   from infer.bench import methods as methods_lib  # pylint: disable=g-import-not-at-top
-  from infer.bench import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.data import bench_prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
 
   try:
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    base = flags.config(args)  # the decoding flags given, on DecodingConfig's defaults
+    flags.check(base.replace(mode="dloop"))
+    sampling = base.sampling
     per_category = 3 if args.quick else args.prompts_per_category
     if per_category < 1:
       raise DLoopError("--prompts-per-category must be >= 1.")
@@ -415,11 +419,10 @@ def main(argv=None) -> int:
     _log(f"[bench] {len(prompts)} prompts ({counts}); {skipped} skipped as longer than"
          f" {args.max_prompt_tokens} tokens")
 
-    common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
-                  seed=args.seed)
+    common = dict(max_new_tokens=args.max_new_tokens, stop_tokens=stops, seed=args.seed)
     methods = []
     for w, t in targets.items():
-      methods += _our_methods(args, target=t.model, drafters=drafters_of[w],
+      methods += _our_methods(args, base=base, target=t.model, drafters=drafters_of[w],
                               weights="" if w == args.weights[0] else w, modes=modes,
                               schedules=schedules,
                               tree_schedules=tree_schedules, fixed_widths=fixed_widths,
@@ -427,13 +430,19 @@ def main(argv=None) -> int:
     costs = next((m.costs for m in methods if m.costs is not None and not m.weights), None)
     threads = os.cpu_count() or 1
     methods += _peers(args, source=target.source, pad_token_id=tok.pad_token_id,
-                      threads=threads, common=common)
+                      threads=threads, common=dict(common, sampling=sampling))
 
+    # Prompts of one program shape together: the programs of a group are freed before the
+    # next group's compile (`clear_compiled`), so that many methods over many shapes do
+    # not hold every compiled program at once (each holds memory mappings, of which a
+    # process may have only so many: vm.max_map_count).
+    # The sort is stable: within a group, the prompts' order.
+    ordered = sorted(prompts, key=lambda pair: engine.prompt_width(len(pair[1])))
     # Warm-up: compile our programs for the first prompt's shapes, warm up torch.
     _log(f"[bench] warm-up of {len(methods)} methods")
     first_compile = {}
     for m in methods:
-      first_compile[m.label] = m.run(prompts[0][1]).compile_seconds
+      first_compile[m.label] = m.run(ordered[0][1]).compile_seconds
 
     # Each output's reference: our ar on the same weights, at the same fixed width
     # if any (bit-identical outputs).
@@ -441,7 +450,9 @@ def main(argv=None) -> int:
       return getattr(m, "weights", ""), getattr(m, "fixed_width", 0)
 
     records = []
-    for i, (p, ids) in enumerate(prompts):
+    for i, (p, ids) in enumerate(ordered):
+      if i and engine.prompt_width(len(ids)) != engine.prompt_width(len(ordered[i - 1][1])):
+        engine.clear_compiled()  # the previous group's programs do not run again
       runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]
       ar_tokens = {ar_key(m): rec["tokens"] for m, rec in zip(methods, recs)
@@ -463,7 +474,7 @@ def main(argv=None) -> int:
     sweep = []
     if args.sweep and drafters:
       sweep = _sweep(args, prompts, records, drafters, target,
-                     dict(common, schedule=schedules[0], costs=costs), methods_lib)
+                     base.replace(schedule=schedules[0], costs=costs), common, methods_lib)
 
     rows = report.summarize(records)
     os.makedirs(args.out, exist_ok=True)
@@ -473,8 +484,12 @@ def main(argv=None) -> int:
     config.update(out=path(args.out), data_dir=args.data_dir and path(args.data_dir),
                   target=name(args.target), costs=args.costs and path(args.costs),
                   drafters=",".join(name(d) for d in _names(args.drafters)))
+    # The decoding options every method of ours started from, defaults included.
+    config.update(gate=base.gate, max_stages=base.max_stages, block_size=base.block_size,
+                  draft_backoff=base.draft_backoff, temperature=sampling.temperature,
+                  top_p=sampling.top_p, top_k=sampling.top_k)
     config.update(prompts_per_category=per_category,
-                  block_sizes={label: args.block_size or d.block_size for label, d in drafters},
+                  block_sizes={label: base.block_size or d.block_size for label, d in drafters},
                   cost_table=costs.to_json() if costs is not None else None)
     result = dict(config=config, machine=_machine(threads), rows=rows, records=records,
                   sweep=sweep, first_call_compile_seconds=first_compile)
@@ -589,7 +604,7 @@ def _agreement(records, method: str) -> str:
           " kernels on the file's quantized weights, ours on them dequantized)")
 
 
-def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> list[dict]:
+def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) -> list[dict]:
   """DLoop over gate x S_max on the first --sweep-prompts prompts of each category."""
   from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
@@ -604,9 +619,10 @@ def _sweep(args, prompts, records, drafters, target, common, methods_lib) -> lis
   for label, d in drafters:
     # The gate alone: every round drafts (no back-off), the scheduler and the
     # lookup stage as in the main run (its first --lookups: one program more at most).
-    m = methods_lib.Ours(method="dloop", target=target.model, drafter=d, drafter_label=label,
-                         block_size=args.block_size, draft_backoff=0, lookup=args.lookups[0],
-                         allow_inexact=arguments.is_16_bit(target.model), **common)
+    m = methods_lib.Ours(
+        decoding=base.replace(mode="dloop", draft_backoff=0, lookup=args.lookups[0],
+                              fixed_width=0, allow_inexact=arguments.is_16_bit(target.model)),
+        target=target.model, drafter=d, drafter_label=label, **common)
     for s_max in args.sweep_max_stages:
       # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
       for g in args.sweep_gates:

@@ -7,7 +7,7 @@
 Each (prompt length, method) runs in its own process, one after another and
 interleaved per length, so that a method's peak resident memory (the child's
 `ru_maxrss`) is its own: model loading, compilation and generation included.
-The prompt is the benchmark prompts' text (infer/bench/data) joined and cut
+The prompt is the benchmark prompts' text (`dloop_jax.data.bench_prompts`) joined and cut
 to the requested number of tokens, the same ids for both methods. For ours
 the table gives the generation time without compilation and the compilation
 time; for transformers (`generate()`, f32, greedy, the same GGUF weights) the
@@ -23,15 +23,14 @@ import subprocess
 import sys
 import time
 
-_DATA = os.path.join(os.path.dirname(__file__), "data")
-
 
 def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
   """The first `num_tokens` token ids of the benchmark prompts' text, repeated as needed."""
+  from dloop_jax.data import bench_prompts  # pylint: disable=g-import-not-at-top
   texts = []
-  for name in sorted(os.listdir(_DATA)):
+  for name in sorted(os.listdir(bench_prompts.DATA_DIR)):
     if name.endswith(".jsonl"):
-      with open(os.path.join(_DATA, name), encoding="utf-8") as f:
+      with open(os.path.join(bench_prompts.DATA_DIR, name), encoding="utf-8") as f:
         texts.extend(json.loads(line)["prompt"] for line in f if line.strip())
   ids = tokenizer.encode("\n\n".join(texts))
   while len(ids) < num_tokens:

@@ -356,7 +356,7 @@ def main(argv=None) -> int:
   from dloop_jax.drafters import BlockDrafter  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
-  from infer.bench import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.data import bench_prompts as prompts_lib  # pylint: disable=g-import-not-at-top
 
   t0 = time.perf_counter()
   sequences, starts = read_store(args.store)

@@ -31,7 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dloop_jax.decoding import DecodingConfig, SamplingConfig, generate
+from dloop_jax.decoding import DecodingConfig, GenerationOutput, RowStats, SamplingConfig
+from dloop_jax.decoding import generate
 from dloop_jax.errors import ConfigError
 
 # The other engines' methods: their outputs are compared with our ar's and reported, not held
@@ -41,48 +42,65 @@ PEERS = ("hf", "hf_pld", "llama_cpp")
 
 @dataclasses.dataclass(kw_only=True)
 class Run:
-  """One prompt's result under one method."""
+  """One prompt's result under one method.
+
+  Attributes:
+    tokens: the new tokens.
+    seconds: wall time of the decode (compilation excluded).
+    compile_seconds: time spent compiling in this run (ours).
+    stats: our engine's statistics of the row (`RowStats`); None for a peer,
+      which counts no rounds and no forwards.
+  """
 
   tokens: list[int]
   seconds: float
   compile_seconds: float = 0.0
-  rounds: int = 0  # target verifications (ours), 0 for peers
-  committed_in_rounds: int = 0
-  stage_histogram: list[int] = dataclasses.field(default_factory=list)
-  target_forwards: int = 0
-  drafter_forwards: int = 0
-  target_tokens: int = 0
-  drafted: int = 0
-  verified: int = 0
-  plain_rounds: int = 0
+  stats: RowStats | None = None
+
+  @classmethod
+  def of(cls, out: GenerationOutput) -> "Run":
+    """The run of a one-row `generate()` output."""
+    return cls(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
+               stats=out.rows[0])
+
+  def record(self) -> dict:
+    """The statistics a benchmark record holds: `RowStats.as_dict()`'s keys, zeros for a
+    peer (no target forward counted: its modeled speed is not reported)."""
+    if self.stats is not None:
+      return self.stats.as_dict()
+    zero = RowStats(new_tokens=len(self.tokens), rounds=0, committed_in_rounds=0).as_dict()
+    return dict(zero, target_forwards=0)
 
 
 @dataclasses.dataclass(kw_only=True)
 class Ours:
-  """A mode of our `generate()` (with a drafter for sd / dloop)."""
+  """A mode of our `generate()` (with a drafter for sd / dloop), decoding by `decoding`."""
 
-  method: str  # "ar" | "sd" | "dloop"
+  decoding: DecodingConfig  # the mode and every option, as `generate(config=)` takes them
   target: Any  # Transformer
   drafter: Any = None
   drafter_label: str = ""
-  block_size: int | None = None
-  gate: float = -0.5
-  max_stages: int = 3
   max_new_tokens: int = 256
-  sampling: SamplingConfig = SamplingConfig()
   stop_tokens: Sequence[int] = ()
   seed: int = 0
-  schedule: str = "cost"
-  costs: Any = None  # the scheduler's cost table (None: generate()'s default)
-  draft_backoff: int | None = None  # None: generate()'s default for the schedule
-  tree_budget: int = 0  # nodes per stage of a draft tree; 0: chains
-  fixed_width: int = 0  # every target forward at this width (`generate(fixed_width=)`); 0: off
   weights: str = ""  # the target's weight storage when not the run's reference ("bf16"); "": it
-  confidence: str = "auto"  # the scheduler's c_k (`generate(confidence=)`)
-  lookup: str = "off"  # "prompt": the prompt-lookup stage (`generate(lookup=)`)
-  # A 16-bit target at free widths, whose greedy outputs equal ar's only up to
-  # 16-bit rounding (`generate(allow_inexact=)`): reported, not held to ar's tokens.
-  allow_inexact: bool = False
+
+  @property
+  def method(self) -> str:
+    """"ar", "sd" or "dloop"."""
+    return self.decoding.mode
+
+  @property
+  def tree_budget(self) -> int:
+    return self.decoding.tree_budget
+
+  @property
+  def fixed_width(self) -> int:
+    return self.decoding.fixed_width or 0
+
+  @property
+  def costs(self) -> Any:
+    return self.decoding.costs
 
   @property
   def method_name(self) -> str:
@@ -91,17 +109,18 @@ class Ours:
     has a learned confidence, "+lookup" with the prompt-lookup stage, "/wW" at a fixed
     forward width W, "@bf16" on a target whose
     weights are stored otherwise than the run's reference `ar`'s, "~inexact" for a 16-bit
-    target at free widths."""
+    target at free widths (`generate(allow_inexact=)`: reported, not held to ar's tokens)."""
+    c = self.decoding
     width = f"/w{self.fixed_width}" if self.fixed_width else ""
-    width += "~inexact" if self.allow_inexact and self.method != "ar" else ""
+    width += "~inexact" if c.allow_inexact and self.method != "ar" else ""
     weights = f"@{self.weights}" if self.weights else ""
     if self.method == "ar":
       return self.method + width + weights
     name = self.method + (f"/tree{self.tree_budget}" if self.tree_budget else "")
-    name = f"{name}/all" if self.schedule == "off" else name
-    if self.confidence == "probability":
+    name = f"{name}/all" if c.schedule == "off" else name
+    if c.confidence == "probability":
       name += "~prob"
-    if self.lookup != "off":
+    if c.lookup == "prompt":
       name += "+lookup"
     return name + width + weights
 
@@ -110,32 +129,14 @@ class Ours:
     name = self.method_name
     return name if not self.drafter_label else f"{name}[{self.drafter_label}]"
 
-  @property
-  def decoding(self) -> DecodingConfig:
-    """The method's decoding options."""
-    return DecodingConfig(
-        mode=self.method, block_size=self.block_size, gate=self.gate,
-        max_stages=self.max_stages, sampling=self.sampling, schedule=self.schedule,
-        costs=self.costs, draft_backoff=self.draft_backoff, tree_budget=self.tree_budget,
-        fixed_width=self.fixed_width, confidence=self.confidence,
-        allow_inexact=self.allow_inexact, lookup=self.lookup)
-
-  def run(self, prompt_ids: Sequence[int], *, gate: float | None = None,
-          max_stages: int | None = None) -> Run:
-    config = self.decoding
-    if gate is not None or max_stages is not None:
-      config = config.replace(gate=self.gate if gate is None else gate,
-                              max_stages=self.max_stages if max_stages is None else max_stages)
+  def run(self, prompt_ids: Sequence[int], **changes: Any) -> Run:
+    """One prompt decoded; `changes` are fields of the config for this run (a sweep's gate)."""
     out = generate(
-        self.target, [list(prompt_ids)], max_new_tokens=self.max_new_tokens, config=config,
+        self.target, [list(prompt_ids)], max_new_tokens=self.max_new_tokens,
+        config=self.decoding.replace(**changes),
         drafter=self.drafter if self.method != "ar" else None, seed=self.seed,
         stop_tokens=self.stop_tokens)
-    row = out.rows[0]
-    return Run(tokens=out.tokens[0], seconds=out.seconds, compile_seconds=out.compile_seconds,
-               rounds=row.rounds, committed_in_rounds=row.committed_in_rounds,
-               stage_histogram=list(row.stage_histogram), target_forwards=row.target_forwards,
-               drafter_forwards=row.drafter_forwards, target_tokens=row.target_tokens,
-               drafted=row.drafted, verified=row.verified, plain_rounds=row.plain_rounds)
+    return Run.of(out)
 
 
 def load_hf_reference(gguf_path: str, *, threads: int | None = None):

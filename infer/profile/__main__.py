@@ -51,7 +51,9 @@ def _parse(argv):
                  help="weight matrices: bf16 / f32 (default: the activation dtype)")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--block-size", type=int, default=None, help="gamma: drafts per stage")
-  p.add_argument("--max-stages", type=int, default=3, help="S_max of the generation and model")
+  p.add_argument("--max-stages", type=int, default=None,
+                 help="S_max of the generation and model (default: DecodingConfig's, through"
+                      " the profile)")
   p.add_argument("--widths", default=None, help="target forward widths to measure (1..65)")
   p.add_argument("--tree-budgets", default=None,
                  help="draft-tree budgets B: also measures widths 1 + S * B, S <= --max-stages"
@@ -94,6 +96,9 @@ def run(args, log) -> dict:
   dtype = presets.parse_dtype(args.dtype or default_dtype)
   weights = presets.resolve_weights(args.weights, dtype)
   gamma = args.block_size or defaults["block_size"]
+  if args.max_stages is None:
+    from dloop_jax import profiles  # pylint: disable=g-import-not-at-top
+    args.max_stages = profiles.DEFAULT_MAX_STAGES
   new_tokens = args.max_new_tokens or defaults["max_new_tokens"]
   prompt_length = args.prompt_length or defaults["prompt_length"]
   for name, value in (("--batch-size", args.batch_size), ("--block-size", gamma),

