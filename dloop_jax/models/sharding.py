@@ -36,7 +36,7 @@ summation order of split contractions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -179,9 +179,47 @@ def param_spec(name: str, config: TransformerConfig, lay: Layout) -> PartitionSp
 
 
 def kv_spec(lay: Layout) -> PartitionSpec:
-  """PartitionSpec of one layer's cache keys / values [B * K, C, H]."""
-  rows = ("data", "tensor") if lay.head_groups > 1 else "data"
-  return PartitionSpec(rows, None, None)
+  """PartitionSpec of one layer's cache keys / values [B, K, C, H]: rows over
+  data, kv heads over tensor (when the heads are split)."""
+  return PartitionSpec("data", _heads(lay), None, None)
+
+
+def _heads(lay: Layout) -> str | None:
+  """The mesh axis attention heads are split over (None: not split)."""
+  return "tensor" if lay.head_groups > 1 else None
+
+
+def per_shard(attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]], *,
+              layout: Layout) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+  """`attend` run on each device over its own rows and kv heads (`jax.shard_map`).
+
+  `attend(q, k, v, k_cache, v_cache, starts, masks, block_mask) -> (out,
+  k_cache, v_cache)` writes one layer's new keys / values and attends; every
+  argument but the caches leads with the batch axis: q [B, T, N, H]; k, v
+  [B, T, K, H]; caches [B, K, C, H] (`kv_spec`); starts [B]; masks (a tuple or
+  None) and block_mask (or None) [B, ...]; out [B, T, N * H]. Each device
+  receives the rows of its data shard and, with head-parallel attention, the
+  q / kv heads of its tensor shard (the column groups of `wqkv` keep a
+  shard's q heads with their kv heads), which are everything attention needs:
+  the cache never moves. Otherwise (tensor does not divide the kv heads) the
+  heads are whole on every tensor shard, which compute the same attention.
+  """
+  heads = _heads(layout)
+  rows = PartitionSpec("data")
+  per_head = PartitionSpec("data", None, heads, None)  # [B, T, N or K, H]
+  cache = kv_spec(layout)
+  return _shard_map(
+      attend, mesh=layout.mesh,
+      in_specs=(per_head, per_head, per_head, cache, cache, rows, rows, rows),
+      out_specs=(PartitionSpec("data", None, heads), cache, cache))
+
+
+def _shard_map(f, *, mesh: Mesh, in_specs, out_specs):
+  """`jax.shard_map` (`jax.experimental.shard_map` on JAX versions without it)."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
+  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def place(value: np.ndarray, spec: PartitionSpec, mesh: Mesh) -> jax.Array:
