@@ -24,13 +24,19 @@ are stored "group-major" on a mesh (`interleave_columns`): shard t's columns
 are its q heads, then its k heads, then its v heads. `Transformer.flat_params`
 undoes it, so checkpoints and exports keep the standard layout.
 
-The KV cache [B * K, C, H] is split on its (row, kv head) axis over data x
-tensor with head-parallel attention (each shard holds its rows' heads exactly
-when a data shard decodes one row; with more rows per data shard the slices
-are split by row first and GSPMD moves what a shard's heads need), over data
-alone otherwise. GSPMD (`jax.jit` over arrays placed with these shardings)
-inserts the collectives; any placement gives the same result up to the
-summation order of split contractions.
+The KV cache [B, K, C, H] of each layer is split rows over data and kv heads
+over tensor (`kv_spec`; over data alone when tensor does not divide the kv
+heads). Device (d, t) then holds exactly the cache of its rows and of the
+heads its `wqkv` columns produce, and each layer's cache write and attention
+run on it under `jax.shard_map` (`per_shard`): attention moves nothing between
+devices. (One [B * K, C, H] array split on its row-major (row, head) axis
+would give a device other heads than its queries' whenever a data shard
+decodes more than one row, and the partitioned program would move queries and
+keys to the cache every layer.) Outside attention GSPMD (`jax.jit` over arrays
+placed with these shardings) inserts the collectives: per layer the
+all-reduces of the head- and column-split output products over tensor. Any
+placement gives the same result up to the summation order of split
+contractions.
 """
 
 from __future__ import annotations

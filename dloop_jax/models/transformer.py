@@ -501,8 +501,8 @@ class Transformer(nnx.Module):
 
   @property
   def _attention(self) -> str:
-    """The attention its forwards trace: on a mesh the XLA forms, which GSPMD splits like the
-    cache (the library kernels would need `shard_map`)."""
+    """The attention its forwards trace: on a mesh the XLA forms, each device's body under
+    `shard_map` (`sharding.per_shard`; the library kernels are not tried there yet)."""
     return self.attention_impl if self.layout is None else "xla"
 
   @property
