@@ -222,9 +222,9 @@ def test_int8_weights_and_their_scales_are_split_alike(results):
   q = results["int8"]
   assert q["same_params"]
   # A scale follows its matrix's output channels: split where they are, else replicated.
-  assert q["specs"] == {"wqkv": [[None, "tensor"], ["tensor"]], "wo": [["tensor", None], []],
+  assert q["specs"] == {"wqkv": [[None, "tensor"], ["tensor"]], "wo": [["tensor", None], [None]],
                         "w_gate_up": [[None, "tensor"], ["tensor"]],
-                        "w_down": [["tensor", None], []]}
+                        "w_down": [["tensor", None], [None]]}
   assert q["embed"] == [["tensor", None], ["tensor"]]
   assert all(q["lossless"]), q
 
