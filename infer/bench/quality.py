@@ -1,6 +1,6 @@
 """`python -m infer.bench.quality`: how far a reduced-precision target is from the f32 one.
 
-    python -m infer.bench.quality --weights int8,bf16 --prompts-per-category 3 --max-new-tokens 64
+    python -m infer.bench.quality --weights int8,bf16 --prompts-per-category 12 --max-new-tokens 64
 
 On the benchmark prompts (`infer.bench.prompts`), for each storage of the
 target's weights against f32 weights of the same file:
@@ -100,7 +100,10 @@ def main(argv=None) -> int:
       raise DLoopError(f"--weights takes int8 and / or bf16, got {args.weights!r}.")
     reference = load_target(args.target, weights="f32")
     tok = reference.tokenizer
-    chosen = prompts_lib.load(args.categories.split(","), per_category=args.prompts_per_category)
+    candidates = prompts_lib.load(args.categories.split(","),
+                                  per_category=args.prompts_per_category)
+    chosen = [p for c in args.categories.split(",")
+              for p in [q for q in candidates if q.category == c][:args.prompts_per_category]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": p.text}]) for p in chosen]
     rows = {w: compare(reference, load_target(args.target, weights=w), prompts,
                        max_new_tokens=args.max_new_tokens) for w in names}
