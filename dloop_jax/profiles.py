@@ -62,7 +62,8 @@ class Profile:
     name: "cpu", "gpu" or "tpu".
     dtype: compute dtype of the target ("float32" / "bfloat16": activations,
       KV cache, norms); logits and acceptance stay f32.
-    weights: storage of the weight matrices ("f32" / "bf16").
+    weights: storage of the weight matrices ("f32" / "bf16"; int8 is never a
+      profile's choice, only asked for: `weights="int8"`, docs/decoding.md).
     fixed_width: the width of every forward after prefill of a 16-bit target
       (the only way its speculative outputs equal its `ar` output bit for bit,
       see `decoding.arguments.validate_exactness`), widened where the options

@@ -71,10 +71,11 @@ def _parse(argv):
                  help="the target's compute dtype (activations, KV cache; logits and acceptance"
                       " stay f32). Default: the profile's (float32 on CPU, bfloat16 on"
                       " accelerators)")
-  p.add_argument("--weights", choices=("f32", "bf16"), default=None,
+  p.add_argument("--weights", choices=("f32", "bf16", "int8"), default=None,
                  help="storage of the target's weight matrices. Default: the profile's (bf16"
                       " on accelerators and CPUs with AMX, f32 on other CPUs; f32 with trees"
-                      " and free widths); --dtype bfloat16 needs bf16 (docs/scaling.md)")
+                      " and free widths); --dtype bfloat16 needs bf16 or int8; int8: quantized"
+                      " at load, per output channel (docs/decoding.md, \"Weights\")")
   p.add_argument("--mesh", default=None,
                  help="decode on a device mesh, e.g. data=2,tensor=4: prompts in batches"
                       " of data rows, the target's weights and KV heads split over tensor"
@@ -188,7 +189,7 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up
   import numpy as np  # pylint: disable=g-import-not-at-top
   from dloop_jax.models.transformer import is_half  # pylint: disable=g-import-not-at-top
   fixed_width = out.fixed_width
-  weights = "bf16" if is_half(target.weight_dtype) else "f32"
+  weights = "int8" if target.int8 else "bf16" if is_half(target.weight_dtype) else "f32"
   dtype = str(np.dtype(target.dtype))
   new = out.tokens[index]
   answer = tok.decode(new, skip_special_tokens=True)

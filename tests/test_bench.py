@@ -199,7 +199,7 @@ def test_bad_weights_fail_before_the_target_loads(weights):
   proc = subprocess.run([sys.executable, "-m", "infer.bench", f"--weights={weights}"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
-  assert "--weights takes f32 and / or bf16" in proc.stderr
+  assert "--weights takes f32, bf16 and / or int8" in proc.stderr
 
 
 def test_fixed_width_methods_fit_the_width(capsys):

@@ -1,9 +1,9 @@
 """The lossless contract across options: every drafter kind, precision, width policy and batch.
 
 For each combination `generate()` accepts, greedy `sd` / `dloop` output equals
-`ar` output with the same options: bit for bit at a fixed width (16-bit
-targets by default), up to an f32 near-tie at free widths (f32 targets);
-16-bit targets at free widths are refused unless `allow_inexact=True`
+`ar` output with the same options: bit for bit at a fixed width (16-bit and
+int8 targets by default), up to an f32 near-tie at free widths (f32 targets);
+16-bit and int8 targets at free widths are refused unless `allow_inexact=True`
 (docs/decoding.md, "What lossless guarantees"). Untrained drafters on a
 peaked tiny target: some drafts are accepted, most rejected, so both the
 accepted-prefix and the bonus paths run. Options are shared across kinds so
@@ -42,7 +42,8 @@ TREE_BUDGET = 4
 def targets():
   f32 = tiny_target(seed=1, init_std=0.2)
   bf16 = Transformer.from_params(f32.config, f32.flat_params(), weight_dtype=jnp.bfloat16)
-  return {"f32": f32, "bf16": bf16}
+  int8 = Transformer.from_params(f32.config, f32.flat_params(), weight_dtype=jnp.int8)
+  return {"f32": f32, "bf16": bf16, "int8": int8}
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +111,36 @@ def test_16_bit_sd_and_the_gpu_profile_equal_ar_bit_for_bit(targets, drafters):
   assert "optimization_barrier" in programs[None]  # the CPU forms, this backend's default
 
 
-@pytest.mark.parametrize("options", [
-    dict(tree_budget=TREE_BUDGET),
-    dict(schedule="cost"),
-    dict(fixed_width=0),
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_int8_default_equals_ar_bit_for_bit(targets, drafters, kind):
+  """An int8 target (integer products on XLA:CPU) against plain decoding of itself; with
+  the block drafter also the accelerator profile's weight-only form."""
+  target, drafter = targets["int8"], drafters[kind, "int8"]
+  prompts = _prompts(3, seed=30 + len(kind))
+  ar = generate(target, prompts, **SHAPE)
+  out = generate(target, prompts, mode="dloop", drafter=drafter, gate=-math.inf, **SHAPE)
+  assert out.fixed_width == ar.fixed_width == 5 and out.tokens == ar.tokens
+  assert out.total.accepted > 0
+  if kind == "block":
+    gpu = Transformer.from_params(target.config, targets["f32"].flat_params(),
+                                  dtype=jnp.bfloat16, weight_dtype=jnp.int8, cpu_kernels=False)
+    gpu_drafter = build_drafter(KINDS["block"], target=gpu, rngs=nnx.Rngs(7))
+    ar = generate(gpu, prompts, profile="gpu", **SHAPE)
+    out = generate(gpu, prompts, mode="dloop", drafter=gpu_drafter, gate=-math.inf,
+                   profile="gpu", **SHAPE)
+    assert out.fixed_width == ar.fixed_width == 16 and out.tokens == ar.tokens
+    assert out.total.accepted > 0
+
+
+@pytest.mark.parametrize("precision,options", [
+    ("bf16", dict(tree_budget=TREE_BUDGET)),
+    ("bf16", dict(schedule="cost")),
+    ("bf16", dict(fixed_width=0)),
+    ("int8", dict(schedule="cost")),
 ])
 def test_16_bit_free_widths_are_refused_with_the_exact_alternatives(targets, drafters,
-                                                                     options):
-  target, drafter = targets["bf16"], drafters["block", "bf16"]
+                                                                     precision, options):
+  target, drafter = targets[precision], drafters["block", precision]
   with pytest.raises(ConfigError, match="would not reproduce mode 'ar' exactly") as e:
     generate(target, _prompts(1, seed=0), mode="dloop", drafter=drafter, **options, **SHAPE)
   assert "weights='f32'" in str(e.value) and "allow_inexact=True" in str(e.value)

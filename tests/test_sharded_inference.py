@@ -119,6 +119,21 @@ _SCRIPT = textwrap.dedent(r"""
         lossless=[compare(one16, p, a, b).lossless
                   for p, a, b in zip(prompts, ref16.tokens, got16.tokens)])
 
+    # int8 weights: the values and their per-channel scales split alike.
+    one8 = load_target(sys.argv[1], weights="int8").model
+    split8 = load_target(sys.argv[1], mesh=mesh, weights="int8").model
+    layer8 = split8.layers[0]
+    ref8 = generate(one8, prompts, max_new_tokens=14)
+    got8 = generate(split8, prompts, max_new_tokens=14)
+    out["int8"] = dict(
+        specs={n: [[a for a in getattr(layer8, m)[...].sharding.spec] for m in (n, n + "_scale")]
+               for n in ("wqkv", "wo", "w_gate_up", "w_down")},
+        embed=[[a for a in m[...].sharding.spec] for m in (split8.embed, split8.embed_scale)],
+        same_params=all(np.array_equal(v, one8.flat_params()[k])
+                        for k, v in split8.flat_params().items()),
+        lossless=[compare(one8, p, a, b).lossless
+                  for p, a, b in zip(prompts, ref8.tokens, got8.tokens)])
+
     errors = {}
     try:
       generate(split, prompts[:3], max_new_tokens=4)
@@ -241,6 +256,17 @@ def test_bf16_weights_are_split_out_major(results):
   assert b["shard_shapes"] == {"wqkv": [[32, 64]], "wo": [[64, 16]],
                                "w_gate_up": [[48, 64]], "w_down": [[64, 24]]}
   assert all(b["lossless"]), b
+
+
+def test_int8_weights_and_their_scales_are_split_alike(results):
+  q = results["int8"]
+  assert q["same_params"]
+  # A scale follows its matrix's output channels: split where they are, else replicated.
+  assert q["specs"] == {"wqkv": [[None, "tensor"], ["tensor"]], "wo": [["tensor", None], [None]],
+                        "w_gate_up": [[None, "tensor"], ["tensor"]],
+                        "w_down": [["tensor", None], [None]]}
+  assert q["embed"] == [["tensor", None], ["tensor"]]
+  assert all(q["lossless"]), q
 
 
 def test_fallback_when_tensor_does_not_divide_kv_heads(results):

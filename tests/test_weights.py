@@ -122,8 +122,9 @@ def test_weight_dtype_names_and_errors():
   assert weight_dtype(None, default=jnp.bfloat16) == jnp.bfloat16
   with pytest.raises(ConfigError, match="weights must be one of"):
     weight_dtype("fp8")
-  with pytest.raises(ConfigError, match="float32 or bfloat16"):
-    weight_dtype(jnp.int8)
+  assert weight_dtype("int8") == weight_dtype(jnp.int8) == jnp.int8
+  with pytest.raises(ConfigError, match="float32, bfloat16 or int8"):
+    weight_dtype(jnp.int16)
 
 
 def test_load_target_with_bf16_weights(tmp_path):

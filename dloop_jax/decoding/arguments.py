@@ -15,6 +15,7 @@ import numpy as np
 from dloop_jax import profiles
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.errors import ConfigError
+from dloop_jax.models import int8 as int8_lib
 from dloop_jax.models.transformer import is_half
 
 MODES = ("ar", "sd", "dloop")
@@ -174,8 +175,11 @@ class DecodingShape:
 
 
 def is_16_bit(target) -> bool:
-  """Whether `target` stores its weight matrices or computes in 16 bits."""
-  return is_half(target.weight_dtype) or is_half(target.dtype)
+  """Whether `target` stores its weight matrices or computes in 16 bits, or stores them
+  in int8 (`models.int8`): its products round to a few significant bits, so it
+  takes the 16-bit rules (a fixed width, `validate_exactness`)."""
+  return (is_half(target.weight_dtype) or is_half(target.dtype)
+          or int8_lib.is_int8(target.weight_dtype))
 
 
 def resolve_shape(*, target, mode, drafter, block_size, max_stages, schedule, fixed_width,
@@ -240,7 +244,8 @@ def validate_exactness(*, target, mode, fixed_width, tree_budget, allow_inexact)
   activations to 8 significant bits in every product, so a forward of another
   width moves logits by up to ~1e-1 and flips argmaxes well away from ties:
   exact only when every forward has one width (`fixed_width`), which trees
-  cannot use yet.
+  cannot use yet. An int8 target's XLA:CPU products quantize the activations
+  per row, where a last-bit change moves a code by a whole step: the same rule.
   """
   if mode == "ar" or allow_inexact or not is_16_bit(target):
     return

@@ -174,8 +174,8 @@ class BlockDrafter(Drafter):
         rngs, (nl, spec.intermediate_size, d), fan_in=spec.intermediate_size, dtype=dtype,
         scale=0.5))
     self.final_norm = nnx.Param(jnp.asarray(target.final_norm[...], dtype))
-    self.embed = Frozen(target.embed[...])
-    self.lm_head = None if target.lm_head is None else Frozen(target.lm_head[...])
+    self.embed = Frozen(target.matrix("embed"))
+    self.lm_head = None if target.lm_head is None else Frozen(target.matrix("lm_head"))
     if self.reduced_vocab:
       d2t, t2d = vocab_lib.identity_vocab(spec.draft_vocab_size, c.vocab_size)
       self.d2t = VocabMap(jnp.asarray(d2t))

@@ -129,7 +129,7 @@ class Eagle3Drafter(Drafter):
     self.w_down = nnx.Param(layers.init_weight(
         rngs, (spec.intermediate_size, d), fan_in=spec.intermediate_size, dtype=dtype, scale=0.5))
     self.final_norm = nnx.Param(jnp.asarray(target.final_norm[...], dtype))
-    self.embed = Frozen(target.embed[...])
+    self.embed = Frozen(target.matrix("embed"))
     if self.reduced_vocab:
       d2t, t2d = vocab_lib.identity_vocab(vd, c.vocab_size)
       self.d2t = VocabMap(jnp.asarray(d2t))
@@ -140,7 +140,7 @@ class Eagle3Drafter(Drafter):
 
   # ------------------------------------------------------------ construction
   def _target_head_columns(self, target: Transformer) -> jax.Array:
-    head = target.embed[...].T if target.lm_head is None else target.lm_head[...]
+    head = target.matrix("embed").T if target.lm_head is None else target.matrix("lm_head")
     if self.d2t is not None:
       head = head[:, self.d2t[...]]
     return jnp.asarray(head, target.dtype)

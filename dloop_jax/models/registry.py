@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from dloop_jax import profiles
 from dloop_jax.errors import ConfigError, ModelLoadError
+from dloop_jax.models import int8 as int8_lib
 from dloop_jax.models.config import TransformerConfig
 from dloop_jax.models.tokenizer import Tokenizer, has_tokenizer_files
 from dloop_jax.models.transformer import Transformer
@@ -115,7 +116,17 @@ def _float_dtype(value: str | Any | None, *, what: str, default) -> Any:
 
 
 def weight_dtype(weights: str | Any | None, *, default=jnp.float32):
-  """"f32" / "bf16" (or a dtype, or None = `default`) -> the weights' dtype."""
+  """"f32" / "bf16" / "int8" (or a dtype, or None = `default`) -> the weights' dtype."""
+  if isinstance(weights, str):
+    if weights.lower() == "int8":
+      return jnp.dtype(int8_lib.DTYPE)
+    if weights.lower() not in WEIGHT_DTYPES:
+      raise ConfigError(f"weights must be one of {sorted(set(WEIGHT_DTYPES) | {'int8'})}, got"
+                        f" {weights!r}.")
+  elif weights is not None and int8_lib.is_int8(weights):
+    return jnp.dtype(int8_lib.DTYPE)
+  elif weights is not None and jnp.dtype(weights) not in (jnp.float32, jnp.bfloat16):
+    raise ConfigError(f"weights must be float32, bfloat16 or int8, got {jnp.dtype(weights)}.")
   return _float_dtype(weights, what="weights", default=default)
 
 
@@ -135,6 +146,8 @@ def precision(dtype: str | Any | None = None, weights: str | Any | None = None):
                           accumulation (products round activations to bf16)
       bfloat16  bf16      accelerators: bf16 activations, KV cache and
                           weights; f32 accumulation, logits and acceptance
+      either    int8      a quarter of the f32 bytes: int8 matrices with a
+                          scale per output channel (`models.int8`)
 
   Raises:
     ConfigError: an unknown name, or dtype=bfloat16 with f32 weights (every
@@ -161,7 +174,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
     dtype: compute dtype: activations, KV cache, norms and biases ("float32"
       / "bfloat16" or a dtype). Logits, softmaxes, norms' statistics and
       acceptance stay f32. None: the profile's (`dloop_jax.profiles`).
-    weights: storage of the weight matrices: "f32", "bf16" (or a dtype). None
+    weights: storage of the weight matrices: "f32", "bf16", "int8" (quantized
+      at load, per output channel: `models.int8`) or a dtype. None
       with a `dtype`: that dtype; None with neither: the profile's (bf16 on
       accelerators and on CPUs with AMX, f32 on other CPUs). See `precision`
       for the combinations.

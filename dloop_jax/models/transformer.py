@@ -45,6 +45,7 @@ from dloop_jax.errors import ModelLoadError
 from dloop_jax.models import attention as attention_lib
 from dloop_jax.models import attention_kernels as attention_kernels_lib
 from dloop_jax.models import cpu_kernels as cpu_kernels_lib
+from dloop_jax.models import int8 as int8_lib
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models import rope as rope_lib
 from dloop_jax.models import sharding as sharding_lib
@@ -106,11 +107,16 @@ class ForwardOutput:
   new_kv: tuple[tuple[jax.Array, jax.Array], ...]
 
 
-LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm",
-                 "w_gate_up", "w_down")
 # The matrices that `weight_dtype` applies to (norms and biases stay in `dtype`).
 MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate_up",
                   "layers.w_down")
+# Int8 matrices carry one f32 scale per output channel in a parameter of this
+# suffix (`models.int8`): "layers.wqkv" [L, K, N] -> "layers.wqkv_scale" [L, N],
+# "embed" [V, D] -> "embed_scale" [V], "lm_head" [D, V] -> "lm_head_scale" [V].
+SCALE_SUFFIX = "_scale"
+# The axis each matrix contracts (its other axes are output channels).
+_CONTRACTED_AXIS = {"embed": 1, "lm_head": 0, "layers.wqkv": 1, "layers.wo": 1,
+                    "layers.w_gate_up": 1, "layers.w_down": 1}
 # A layer's matrices [K, N]. Stored in 16 bits, a layer holds them out-major,
 # transposed to [N, K], and multiplies them with the matrix on the left (see
 # `_product`): XLA:CPU streams them so at memory speed for one to a few hundred
@@ -121,6 +127,8 @@ MATRIX_WEIGHTS = ("embed", "lm_head", "layers.wqkv", "layers.wo", "layers.w_gate
 # §Choices for XLA:CPU).
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 _STACKED_LAYER_MATRICES = tuple(f"layers.{name}" for name in LAYER_MATRICES)
+LAYER_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm",
+                 "w_gate_up", "w_down") + tuple(m + SCALE_SUFFIX for m in LAYER_MATRICES)
 
 
 def random_layer_weights(config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -153,7 +161,8 @@ class DecoderLayer(nnx.Module):
   Weights (names as in `param_shapes`, without the layer axis): attn_norm [D],
   wqkv [D, Q + 2 KV], optional bqkv [Q + 2 KV], optional q_norm / k_norm [H],
   wo [Q, D], mlp_norm [D], w_gate_up [D, 2 F], w_down [F, D]; with
-  `out_major` the four matrices are held transposed (wqkv [Q + 2 KV, D], ...).
+  `out_major` the four matrices are held transposed (wqkv [Q + 2 KV, D], ...);
+  int8 matrices come with their scales (wqkv_scale [Q + 2 KV], ...).
   """
 
   def __init__(self, weights: Mapping[str, jax.Array], *, out_major: bool = False):
@@ -190,9 +199,9 @@ class DecoderLayer(nnx.Module):
     c = config
     b, t, _ = h.shape
     eps = c.rms_norm_eps
-    mm = dense_out_major if self.out_major else dense
+    mm = self._product
     x = rms_norm(h, self.attn_norm[...], eps)
-    qkv = mm(x, self.wqkv[...])
+    qkv = mm(x, "wqkv")
     if self.bqkv is not None:
       qkv = qkv + self.bqkv[...]
     q, k, v = _split_qkv(qkv, config=c, groups=groups[0])
@@ -206,11 +215,19 @@ class DecoderLayer(nnx.Module):
       # Each device attends its own rows x kv heads against its own cache slice.
       attend = sharding_lib.per_shard(attend, layout=layout)
     out, k_cache, v_cache = attend(q, k, v, k_cache, v_cache, starts, masks, block_mask)
-    h = h + mm(out, self.wo[...])
+    h = h + mm(out, "wo")
     x = rms_norm(h, self.mlp_norm[...], eps)
-    gate, up = _split_gate_up(mm(x, self.w_gate_up[...]), groups=groups[1])
-    h = h + mm(jax.nn.silu(gate) * up, self.w_down[...])
+    gate, up = _split_gate_up(mm(x, "w_gate_up"), groups=groups[1])
+    h = h + mm(jax.nn.silu(gate) * up, "w_down")
     return h, k_cache, v_cache, k, v
+
+  def _product(self, x: jax.Array, name: str) -> jax.Array:
+    """x [..., K] times the layer matrix `name` -> [..., N] in x's dtype."""
+    w = getattr(self, name)[...]
+    scale = getattr(self, name + SCALE_SUFFIX)
+    if scale is not None:
+      return int8_lib.product(x, w, scale[...], contract=0).astype(x.dtype)
+    return (dense_out_major if self.out_major else dense)(x, w)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -444,7 +461,9 @@ class Transformer(nnx.Module):
       dtype: activations, KV cache, norms and biases.
       weight_dtype: storage of the weight matrices (`MATRIX_WEIGHTS`); None =
         `dtype`. bf16 matrices with f32 activations halve the bytes a forward
-        streams; products then accumulate in f32 (see `dense`).
+        streams; products then accumulate in f32 (see `dense`). int8 stores
+        each matrix as int8 values with a scale per output channel, a quarter
+        of the f32 bytes (`models.int8`).
       init_std: above the usual 0.02 gives tiny test targets peaked,
         non-uniform next-token distributions, so drafters have something to
         learn.
@@ -469,23 +488,57 @@ class Transformer(nnx.Module):
     self.layout: sharding_lib.Layout | None = None  # a mesh placement (`from_params(mesh=)`)
     c = config
     init = nnx.initializers.normal(init_std)
-    self.embed = nnx.Param(self._stored(
-        "embed", init(rngs.params(), (c.vocab_size, c.hidden_size), dtype)))
+    self._set_matrix("embed", init(rngs.params(), (c.vocab_size, c.hidden_size), dtype))
     stacked = random_layer_weights(c, rngs=rngs, dtype=dtype, init_std=init_std)
-    stacked = {name: self._stored(f"layers.{name}", w) for name, w in stacked.items()}
+    stacked = self._stored_layers(stacked)
     if self.out_major:
       stacked = _swap_matrix_axes(stacked)
     self.layers = _split_layers(stacked, c.num_layers, out_major=self.out_major)
     self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), dtype))
-    self.lm_head = (None if c.tie_embeddings else nnx.Param(self._stored(
-        "lm_head", init(rngs.params(), (c.hidden_size, c.vocab_size), dtype))))
+    if c.tie_embeddings:
+      self.lm_head = self.lm_head_scale = None
+    else:
+      self._set_matrix("lm_head", init(rngs.params(), (c.hidden_size, c.vocab_size), dtype))
 
-  def _stored(self, name: str, value):
-    """`value` in the storage dtype of parameter `name` (`param_shapes` names)."""
+  def _stored(self, name: str, value) -> dict[str, Any]:
+    """Parameter `name` (`param_shapes` names) as stored: {name: value in its storage
+    dtype}, and for an int8 matrix also {name + SCALE_SUFFIX: its scales}
+    (`models.int8`)."""
     dtype = self.weight_dtype if name in MATRIX_WEIGHTS else self.dtype
+    if int8_lib.is_int8(dtype):
+      values, scale = int8_lib.quantize(value, axis=_CONTRACTED_AXIS[name])
+      return {name: values, name + SCALE_SUFFIX: scale}
     if isinstance(value, np.ndarray):
-      return np.asarray(value, dtype)
-    return jnp.asarray(value, dtype)
+      return {name: np.asarray(value, dtype)}
+    return {name: jnp.asarray(value, dtype)}
+
+  def _stored_layers(self, stacked: Mapping[str, Any]) -> dict[str, Any]:
+    """Stacked layer weights ({"wqkv": [L, K, N], ...}) as stored (`_stored`)."""
+    out = {}
+    for name, value in stacked.items():
+      out.update({key.split(".", 1)[1]: v
+                  for key, v in self._stored(f"layers.{name}", value).items()})
+    return out
+
+  def _set_matrix(self, name: str, value, put=lambda name, value: value) -> None:
+    """Stores "embed" / "lm_head" (and its scales where int8) as parameters."""
+    stored = self._stored(name, value)
+    setattr(self, name, nnx.Param(put(name, stored[name])))
+    scale = stored.get(name + SCALE_SUFFIX)
+    setattr(self, name + SCALE_SUFFIX,
+            None if scale is None else nnx.Param(put(name + SCALE_SUFFIX, scale)))
+
+  def matrix(self, name: str) -> jax.Array:
+    """The float values of "embed" [V, D] or "lm_head" [D, V]: the stored matrix, or an
+    int8 one dequantized to `dtype` (drafters that share the target's embedding
+    or head copy it from here)."""
+    values = getattr(self, name)[...]
+    scale = getattr(self, name + SCALE_SUFFIX)
+    if scale is None:
+      return values
+    axis = _CONTRACTED_AXIS[name]
+    return (values.astype(jnp.float32)
+            * jnp.expand_dims(scale[...], axis)).astype(self.dtype)
 
   # ----------------------------------------------------------------- weights
   @property
@@ -493,6 +546,11 @@ class Transformer(nnx.Module):
     """Whether the layers hold their matrices transposed (16-bit storage in XLA:CPU's
     form, `LAYER_MATRICES`)."""
     return is_half(self.weight_dtype) and cpu_kernels_lib.resolve(self.cpu_kernels)
+
+  @property
+  def int8(self) -> bool:
+    """Whether the weight matrices are int8 with per-channel scales (`models.int8`)."""
+    return int8_lib.is_int8(self.weight_dtype)
 
   @property
   def mesh(self) -> jax.sharding.Mesh | None:
@@ -548,36 +606,49 @@ class Transformer(nnx.Module):
     def put(name, value):
       if lay is None:
         return jnp.asarray(value)
-      spec = sharding_lib.param_spec(name, config, lay)
+      if name.endswith(SCALE_SUFFIX):  # split as its matrix's output channels
+        matrix = name[:-len(SCALE_SUFFIX)]
+        spec = tuple(sharding_lib.param_spec(matrix, config, lay))
+        contracted = _CONTRACTED_AXIS[matrix] - matrix.startswith("layers.")
+        spec = jax.sharding.PartitionSpec(
+            *(s for i, s in enumerate(spec) if i != contracted))
+      else:
+        spec = sharding_lib.param_spec(name, config, lay)
       if out_major and name in _STACKED_LAYER_MATRICES:
         spec = jax.sharding.PartitionSpec(*reversed(spec))  # the same dimension split
       return sharding_lib.place(np.asarray(value), spec, lay.mesh)
 
-    model.embed = nnx.Param(put("embed", model._stored("embed", np.asarray(params["embed"]))))
+    model._set_matrix("embed", np.asarray(params["embed"]), put)
     model.final_norm = nnx.Param(put("final_norm", np.asarray(params["final_norm"], dtype)))
     if "lm_head" in params:
-      model.lm_head = nnx.Param(put("lm_head",
-                                    model._stored("lm_head", np.asarray(params["lm_head"]))))
+      model._set_matrix("lm_head", np.asarray(params["lm_head"]), put)
     stacked = {}
     for name, value in params.items():
       if name.startswith("layers."):
-        value = model._stored(name, np.asarray(value))
+        value = np.asarray(value)
         if lay is not None and name in sharding_lib.fused_blocks(config):
           value = sharding_lib.interleave_columns(
               value, sharding_lib.fused_blocks(config)[name], sharding_lib.groups_of(name, lay))
         stacked[name.split(".", 1)[1]] = value
+    stacked = model._stored_layers(stacked)
     if out_major:
       stacked = _swap_matrix_axes(stacked)
     model.layers = _split_layers(stacked, config.num_layers, out_major=out_major, put=put)
     return model
 
   def flat_params(self) -> dict[str, np.ndarray]:
-    """Inverse of `from_params`."""
-    out = {"embed": np.asarray(self.embed[...]), "final_norm": np.asarray(self.final_norm[...])}
+    """Inverse of `from_params` (int8 matrices come back dequantized to `dtype`)."""
+    out = {"embed": np.asarray(self.matrix("embed")),
+           "final_norm": np.asarray(self.final_norm[...])}
     if self.lm_head is not None:
-      out["lm_head"] = np.asarray(self.lm_head[...])
+      out["lm_head"] = np.asarray(self.matrix("lm_head"))
     stacked = {name: np.stack([np.asarray(l.weights()[name]) for l in self.layers])
                for name in self.layers[0].weights()}
+    for name in LAYER_MATRICES:
+      if name + SCALE_SUFFIX in stacked:
+        stacked[name] = int8_lib.dequantize(
+            stacked[name], stacked.pop(name + SCALE_SUFFIX),
+            axis=_CONTRACTED_AXIS[f"layers.{name}"], dtype=self.dtype)
     if self.out_major:
       stacked = _swap_matrix_axes(stacked)
     out.update({f"layers.{name}": w for name, w in stacked.items()})
@@ -608,13 +679,19 @@ class Transformer(nnx.Module):
 
   # ----------------------------------------------------------------- forward
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    if self.embed_scale is not None:
+      return int8_lib.take_rows(self.embed[...], self.embed_scale[...], tokens, dtype=self.dtype)
     return take_rows(self.embed[...], tokens)
 
   @_in_own_kernel_forms
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> f32 logits [..., V]."""
     if self.lm_head is None:
+      if self.embed_scale is not None:
+        return int8_lib.product(hidden, self.embed[...], self.embed_scale[...], contract=1)
       return project_rows(hidden, self.embed[...])
+    if self.lm_head_scale is not None:
+      return int8_lib.product(hidden, self.lm_head[...], self.lm_head_scale[...], contract=0)
     out, _ = _product(hidden, self.lm_head[...], 0)
     return out.astype(jnp.float32)
 

@@ -76,9 +76,9 @@ def _parse(argv):
                  help="skip prompts longer than this (after the chat template)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--weights", type=_names, default=None,
-                 help="storage of our target's weight matrices: f32 and / or bf16. With two"
-                      " (f32,bf16), every method of ours also runs on the second storage"
-                      " (methods named ...@bf16) against the first's ar. Default: f32, plus"
+                 help="storage of our target's weight matrices: f32, bf16 and / or int8. With"
+                      " more than one (f32,bf16,int8), every method of ours also runs on the"
+                      " others (methods named ...@bf16) against the first's ar. Default: f32, plus"
                       " the profile's weights when they are 16-bit (what python -m infer runs"
                       " by default)")
   p.add_argument("--modes", default="sd,dloop",
@@ -371,8 +371,8 @@ def main(argv=None) -> int:
       raise DLoopError(f"--fixed-widths takes widths >= 1, got {args.fixed_widths}.")
     fixed_widths = sorted(set(args.fixed_widths))
     if (not args.weights or len(set(args.weights)) != len(args.weights)
-        or any(w not in ("f32", "bf16") for w in args.weights)):
-      raise DLoopError(f"--weights takes f32 and / or bf16 (the first is the reference),"
+        or any(w not in ("f32", "bf16", "int8") for w in args.weights)):
+      raise DLoopError(f"--weights takes f32, bf16 and / or int8 (the first is the reference),"
                        f" got {','.join(args.weights)!r}.")
     t0 = time.perf_counter()
     targets = {w: registry.load_target(args.target, weights=w, profile=args.profile)

@@ -232,7 +232,7 @@ EMBED, LM_HEAD = "embed_tokens.weight", "lm_head.weight"
 
 def _target_head(target) -> np.ndarray:
   """The target's LM head as PyTorch stores it, [V, D] (tied: the embedding)."""
-  head = target.lm_head[...].T if target.lm_head is not None else target.embed[...]
+  head = target.matrix("lm_head").T if target.lm_head is not None else target.matrix("embed")
   return np.asarray(head, np.float32)
 
 
@@ -240,7 +240,7 @@ def check_frozen_copies(t: Tensors, target, *, source: str) -> None:
   """Takes the copies of the target's embedding / LM head some layouts ship; they must be the
   target's (up to their storage precision), since our drafters read the target's own."""
   v, d = target.config.vocab_size, target.config.hidden_size
-  for name, ours in ((EMBED, lambda: np.asarray(target.embed[...], np.float32)),
+  for name, ours in ((EMBED, lambda: np.asarray(target.matrix("embed"), np.float32)),
                      (LM_HEAD, lambda: _target_head(target))):
     if not t.has(name):
       continue
