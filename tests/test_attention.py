@@ -93,6 +93,8 @@ def test_long_forwards_equal_the_dense_forward(tiny, monkeypatch):
     blockwise = _prefill(tiny, tokens, capacity=40, taps=(0, 1))  # one piece
     m.setattr(transformer, "PREFILL_CHUNK", 10)
     chunked = _prefill(tiny, tokens, capacity=40, taps=(0, 1))  # 4 chunks, the last moved back
+    # Rows of 23 and 15 real tokens: chunks 0-2 run, the padding's chunk does not.
+    skipped = _prefill(tiny, tokens, capacity=40, taps=(0, 1), num_valid=jnp.asarray([23, 15]))
   for long in (blockwise, chunked):
     _close(long.logits, dense.logits)
     _close(long.taps, dense.taps)
@@ -105,6 +107,15 @@ def test_long_forwards_equal_the_dense_forward(tiny, monkeypatch):
   step = jnp.asarray([[3], [5]], jnp.int32)
   after = lambda o: tiny(step, positions=jnp.full((2, 1), 37), cache=o.cache).logits
   _close(after(chunked), after(dense))
+
+  # Left-out padding changes nothing up to the longest row's end, and is not computed.
+  _close(skipped.logits[:, :23], dense.logits[:, :23])
+  _close(skipped.taps[:, :23], dense.taps[:, :23])
+  assert not np.asarray(skipped.cache.k[0])[:, 30:].any()  # the last chunk's own slots
+  assert not np.asarray(skipped.taps)[:, 30:].any()
+  lengths = jnp.asarray([23, 15])
+  after = lambda o: tiny(step, positions=lengths[:, None], cache=o.cache.with_lengths(lengths))
+  _close(after(skipped).logits, after(dense).logits)
 
 
 def test_read_only_long_forward_equals_the_written_one(tiny, small_blocks):

@@ -707,6 +707,7 @@ class Transformer(nnx.Module):
       logit_positions: jax.Array | None = None,
       write_cache: bool = True,
       taps_only: bool = False,
+      num_valid: jax.Array | None = None,
   ) -> ForwardOutput:
     """Runs T new tokens per row against the cache.
 
@@ -731,6 +732,12 @@ class Transformer(nnx.Module):
       taps_only: stop after the last tapped layer (building drafter data):
         only `taps` and `new_kv` of the layers run are computed; `logits` and
         `hidden` are empty ([B, 0, ...]) and `cache` is returned as it came.
+      num_valid: optional [B] how many of each row's T tokens are real; the
+        rest pad the input to a compiled width. A chunked forward then stops
+        after the chunk holding the longest row's last real token: chunks
+        wholly made of padding are not computed (their `hidden`, `taps` and
+        `new_kv` are zeros, their cache slots left as they were). Other
+        forwards compute every token.
 
     Returns:
       A `ForwardOutput`.
@@ -739,22 +746,26 @@ class Transformer(nnx.Module):
     if (t > PREFILL_CHUNK and write_cache and block_mask is None and not taps_only
         and attention_kernels_lib.prefill_impl(self._attention, cache.k[0].dtype) == "xla"):
       return self._chunked(tokens, positions=positions, cache=cache, taps=taps,
-                           logit_positions=logit_positions)
+                           logit_positions=logit_positions, num_valid=num_valid)
     return self._forward(tokens, positions=positions, cache=cache, block_mask=block_mask,
                          taps=taps, logit_positions=logit_positions, write_cache=write_cache,
                          taps_only=taps_only)
 
   def _chunked(self, tokens: jax.Array, *, positions: jax.Array, cache: kv_lib.KVCache,
-               taps: Sequence[int], logit_positions: jax.Array | None) -> ForwardOutput:
+               taps: Sequence[int], logit_positions: jax.Array | None,
+               num_valid: jax.Array | None = None) -> ForwardOutput:
     """A causal forward over a long input in chunks of `PREFILL_CHUNK` tokens.
 
-    A `lax.scan` runs the chunks in order, each a forward that writes its
+    A loop runs the chunks in order, each a forward that writes its
     keys / values into the carried cache and attends to what the chunks
     before it wrote: activations are held for one chunk, not for the whole
     input, and one chunk's program is compiled instead of the input's. The
     last chunk is moved back to end at the input's end (it recomputes a few
     tokens, which rewrite the same slots), so no slot past the input is
-    written.
+    written. With `num_valid` the loop stops after the chunk that holds the
+    longest row's last real token: a prompt padded to its compiled width
+    (7,000 tokens to 8,192) would otherwise pay for the padding's products
+    and, worse, for its attention over the whole prompt.
     """
     b, t = tokens.shape
     size = PREFILL_CHUNK
@@ -767,7 +778,21 @@ class Transformer(nnx.Module):
                         taps=taps, logit_positions=None, write_cache=True, unembed=False)
       return o.cache, (o.hidden, o.taps)
 
-    cache, (hidden, tapped) = jax.lax.scan(chunk, cache, jnp.asarray(firsts))
+    if num_valid is None:
+      cache, (hidden, tapped) = jax.lax.scan(chunk, cache, jnp.asarray(firsts))
+    else:
+      # The chunks a scan would run, in the same order and at the same
+      # offsets, up to the first that reaches the longest row's end.
+      run = jnp.minimum((jnp.max(num_valid) + size - 1) // size, len(firsts))
+      shapes = jax.eval_shape(chunk, cache, jnp.int32(0))[1]
+      stacked = jax.tree.map(lambda x: jnp.zeros((len(firsts),) + x.shape, x.dtype), shapes)
+
+      def body(i, carry):
+        cache, outs = carry
+        cache, out = chunk(cache, jnp.asarray(firsts)[i])
+        return cache, jax.tree.map(lambda buf, x: buf.at[i].set(x), outs, out)
+
+      cache, (hidden, tapped) = jax.lax.fori_loop(0, run, body, (cache, stacked))
     # Token i of the input: chunk `which[i]`, at `offset[i]` in it.
     which = np.minimum(np.arange(t) // size, len(firsts) - 1)
     offset = np.arange(t) - firsts[which]
