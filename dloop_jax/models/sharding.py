@@ -214,10 +214,21 @@ def per_shard(attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]], *,
   rows = PartitionSpec("data")
   per_head = PartitionSpec("data", None, heads, None)  # [B, T, N or K, H]
   cache = kv_spec(layout)
-  return _shard_map(
+  mapped = _shard_map(
       attend, mesh=layout.mesh,
       in_specs=(per_head, per_head, per_head, cache, cache, rows, rows, rows),
       out_specs=(PartitionSpec("data", None, heads), cache, cache))
+
+  def call(*args):
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context != layout.mesh.abstract_mesh:
+      # Traced under another mesh (an online trainer's train step, whose mesh
+      # has other axes than the frozen target's inference mesh): shard_map
+      # cannot nest there, and GSPMD places the attention as it did before.
+      return attend(*args)
+    return mapped(*args)
+
+  return call
 
 
 def _shard_map(f, *, mesh: Mesh, in_specs, out_specs):
