@@ -45,7 +45,7 @@ def _cache_updates(hlo: str, shape: str) -> int:
 def test_one_cache_update_per_layer_array(tiny, batch):
   c = tiny.config
   hlo = _step_hlo(tiny, batch, width=3)
-  shape = f"f32[{batch},{c.num_kv_heads},{_CAPACITY},{c.head_dim}]"
+  shape = f"f32[{batch * c.num_kv_heads},{_CAPACITY},{c.head_dim}]"
   assert _cache_updates(hlo, shape) == 2 * c.num_layers  # keys and values of each layer
   assert "while(" not in hlo  # no loop over rows either
 

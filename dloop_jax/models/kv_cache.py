@@ -21,14 +21,12 @@ class KVCache:
 
   Per-layer arrays (not one [L, ...] array) let each layer's update happen in
   place: slicing a layer out of a stacked cache copies it on CPU. Rows and kv
-  heads are separate leading axes, so a mesh can split rows over data and kv
-  heads over tensor (`sharding.kv_spec`); attention reads a row-major
-  [B * K, C, H] view of it (row b's K heads at b * K .. b * K + K - 1), which is
-  the same bytes (a reshape that moves nothing).
+  heads share the leading axis (row b's K heads at b * K .. b * K + K - 1), the
+  form attention's batched matmuls read without reshaping the cache.
 
   Attributes:
-    k: L arrays [B, K, C, H] of keys (K kv heads, C slots, H head dim).
-    v: L arrays [B, K, C, H] of values.
+    k: L arrays [B * K, C, H] of keys (K kv heads, C slots, H head dim).
+    v: L arrays [B * K, C, H] of values.
     lengths: [B] committed slots per row.
   """
 
@@ -38,7 +36,7 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
-    return self.v[0].shape[2]
+    return self.v[0].shape[1]
 
   @property
   def batch_size(self) -> int:
@@ -46,14 +44,15 @@ class KVCache:
 
   def layer(self, index: int) -> tuple[jax.Array, jax.Array]:
     """Keys and values of one layer, both as [B, C, K, H]."""
-    def unfold(x):  # [B, K, C, H] -> [B, C, K, H]
+    def unfold(x):
+      x = x.reshape((self.batch_size, -1) + x.shape[1:])  # [B, K, C, H]
       return jnp.transpose(x, (0, 2, 1, 3))
     return unfold(self.k[index]), unfold(self.v[index])
 
   @classmethod
   def create(cls, *, num_layers: int, batch_size: int, capacity: int,
              num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch_size, num_kv_heads, capacity, head_dim)
+    shape = (batch_size * num_kv_heads, capacity, head_dim)
     return cls(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -67,7 +66,7 @@ class KVCache:
     """The same cache with `capacity` slots (new slots empty; one copy of the cache)."""
     if capacity < self.capacity:
       raise ValueError(f"grow() cannot shrink a cache of {self.capacity} slots to {capacity}.")
-    pad = ((0, 0), (0, 0), (0, capacity - self.capacity), (0, 0))
+    pad = ((0, 0), (0, capacity - self.capacity), (0, 0))
     return self.replace(k=tuple(jnp.pad(x, pad) for x in self.k),
                         v=tuple(jnp.pad(x, pad) for x in self.v))
 
@@ -104,27 +103,24 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
   """Writes new keys / values [B, T, K, H] of one layer at slots `starts + t`.
 
   One update per cache array whatever the batch: a batched dynamic-update-slice
-  (a scatter with the row axis as its batch axis, all kv heads of a row in its
-  window) writes every row at its own start. Inside a decode loop XLA updates
-  the carried cache in place through it, and on a mesh it splits along the
-  cache's row / kv-head sharding like the cache itself. (Per-row updates made
-  the program grow with the batch; tests/test_kv_cache_writes.py counts the
-  updates in the compiled program.)
+  (a scatter with the (row, kv head) axis as its batch axis) writes every row
+  at its own start. Inside a decode loop XLA updates the carried cache in
+  place through it, and on a mesh it splits along the cache's row / kv-head
+  sharding like the cache itself. (Per-row updates made the program grow with
+  the batch; tests/test_kv_cache_writes.py counts the updates in the compiled
+  program.)
 
   Args:
-    k_cache, v_cache: [B, K, C, H] (a `KVCache` layer), or its row-major view
-      [B * K, C, H].
+    k_cache, v_cache: [B * K, C, H].
     k, v: [B, T, K, H].
     starts: [B] (callers keep `starts + T <= C`).
   """
   b, t, kv_heads, h = k.shape
+  row_starts = jnp.repeat(starts, kv_heads, total_repeat_length=b * kv_heads)  # [B * K]
 
   def write(cache, new):
-    new = jnp.transpose(new, (0, 2, 1, 3))  # [B, K, T, H]
-    rows = cache.reshape((b, kv_heads) + cache.shape[-2:])
-    written = jax.vmap(lambda buf, upd, start: jax.lax.dynamic_update_slice(
-        buf, upd.astype(buf.dtype), (0, start, 0)))(rows, new, starts)
-    return written.reshape(cache.shape)
+    new = jnp.transpose(new, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)  # [B * K, T, H]
+    return write_rows(cache, new, row_starts)
 
   return write(k_cache, k), write(v_cache, v)
 

@@ -24,25 +24,19 @@ are stored "group-major" on a mesh (`interleave_columns`): shard t's columns
 are its q heads, then its k heads, then its v heads. `Transformer.flat_params`
 undoes it, so checkpoints and exports keep the standard layout.
 
-The KV cache [B, K, C, H] of each layer is split rows over data and kv heads
-over tensor (`kv_spec`; over data alone when tensor does not divide the kv
-heads). Device (d, t) then holds exactly the cache of its rows and of the
-heads its `wqkv` columns produce, and each layer's cache write and attention
-run on it under `jax.shard_map` (`per_shard`): attention moves nothing between
-devices. (One [B * K, C, H] array split on its row-major (row, head) axis
-would give a device other heads than its queries' whenever a data shard
-decodes more than one row, and the partitioned program would move queries and
-keys to the cache every layer.) Outside attention GSPMD (`jax.jit` over arrays
-placed with these shardings) inserts the collectives: per layer the
-all-reduces of the head- and column-split output products over tensor. Any
-placement gives the same result up to the summation order of split
-contractions.
+The KV cache [B * K, C, H] is split on its (row, kv head) axis over data x
+tensor with head-parallel attention (each shard holds its rows' heads exactly
+when a data shard decodes one row; with more rows per data shard the slices
+are split by row first and GSPMD moves what a shard's heads need), over data
+alone otherwise. GSPMD (`jax.jit` over arrays placed with these shardings)
+inserts the collectives; any placement gives the same result up to the
+summation order of split contractions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -185,58 +179,9 @@ def param_spec(name: str, config: TransformerConfig, lay: Layout) -> PartitionSp
 
 
 def kv_spec(lay: Layout) -> PartitionSpec:
-  """PartitionSpec of one layer's cache keys / values [B, K, C, H]: rows over
-  data, kv heads over tensor (when the heads are split)."""
-  return PartitionSpec("data", _heads(lay), None, None)
-
-
-def _heads(lay: Layout) -> str | None:
-  """The mesh axis attention heads are split over (None: not split)."""
-  return "tensor" if lay.head_groups > 1 else None
-
-
-def per_shard(attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]], *,
-              layout: Layout) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
-  """`attend` run on each device over its own rows and kv heads (`jax.shard_map`).
-
-  `attend(q, k, v, k_cache, v_cache, starts, masks, block_mask) -> (out,
-  k_cache, v_cache)` writes one layer's new keys / values and attends; every
-  argument but the caches leads with the batch axis: q [B, T, N, H]; k, v
-  [B, T, K, H]; caches [B, K, C, H] (`kv_spec`); starts [B]; masks (a tuple or
-  None) and block_mask (or None) [B, ...]; out [B, T, N * H]. Each device
-  receives the rows of its data shard and, with head-parallel attention, the
-  q / kv heads of its tensor shard (the column groups of `wqkv` keep a
-  shard's q heads with their kv heads), which are everything attention needs:
-  the cache never moves. Otherwise (tensor does not divide the kv heads) the
-  heads are whole on every tensor shard, which compute the same attention.
-  """
-  heads = _heads(layout)
-  rows = PartitionSpec("data")
-  per_head = PartitionSpec("data", None, heads, None)  # [B, T, N or K, H]
-  cache = kv_spec(layout)
-  mapped = _shard_map(
-      attend, mesh=layout.mesh,
-      in_specs=(per_head, per_head, per_head, cache, cache, rows, rows, rows),
-      out_specs=(PartitionSpec("data", None, heads), cache, cache))
-
-  def call(*args):
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context != layout.mesh.abstract_mesh:
-      # Traced under another mesh (an online trainer's train step, whose mesh
-      # has other axes than the frozen target's inference mesh): shard_map
-      # cannot nest there, and GSPMD places the attention as it did before.
-      return attend(*args)
-    return mapped(*args)
-
-  return call
-
-
-def _shard_map(f, *, mesh: Mesh, in_specs, out_specs):
-  """`jax.shard_map` (`jax.experimental.shard_map` on JAX versions without it)."""
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
-  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  """PartitionSpec of one layer's cache keys / values [B * K, C, H]."""
+  rows = ("data", "tensor") if lay.head_groups > 1 else "data"
+  return PartitionSpec(rows, None, None)
 
 
 def place(value: np.ndarray, spec: PartitionSpec, mesh: Mesh) -> jax.Array:
