@@ -158,13 +158,18 @@ def markdown(result: dict) -> str:
               "| tokens | tokens/s | ms | compile s |", "|---|---|---|---|"]
     for p in prefill:
       if "skipped" in p or "error" in p:
-        lines.append(f"| {p['length']} | {'skipped' if 'skipped' in p else 'error'}:"
-                     f" {p.get('skipped') or p.get('error')} | – | – |")
+        lines.append(f"| {p['length']} | {_unmeasured(p)} | – | – |")
       else:
         lines.append(f"| {p['length']} | {p['tokens_per_s']:,.0f} | {1e3 * p['seconds']:.1f} |"
                      f" {p['compile_seconds']:.1f} |")
   lines += _kernel_sections(result)
   return "\n".join(lines) + "\n"
+
+
+def _unmeasured(entry: dict) -> str:
+  """'skipped: why' or 'error: why' of a measurement that did not run."""
+  return ("skipped: " + str(entry["skipped"]) if "skipped" in entry
+          else "error: " + str(entry.get("error")))
 
 
 def _gib(n) -> str:
@@ -189,9 +194,8 @@ def _kernel_sections(result: dict) -> list[str]:
                      f" {1e3 * e['seconds']:.1f} | {e['max_abs_diff']:.3g} |"
                      f" {e['compile_seconds']:.1f} |")
       else:
-        why = e.get("skipped") or e.get("error")
-        lines.append(f"| {e.get('length', '–')} | {e.get('impl', '–')} |"
-                     f" {'skipped' if 'skipped' in e else 'error'}: {why} | – | – | – |")
+        lines.append(f"| {e.get('length', '–')} | {e.get('impl', '–')} | {_unmeasured(e)} |"
+                     " – | – | – |")
   long_cache = result.get("long_cache")
   if long_cache is not None:
     lines += ["", "## Decode after a long prompt (bf16, batch 1, width 1)", "",
@@ -201,8 +205,7 @@ def _kernel_sections(result: dict) -> list[str]:
               "|---|---|---|---|---|"]
     for e in long_cache:
       if "skipped" in e or "error" in e:
-        lines.append(f"| {e.get('context', '–')} | {'skipped' if 'skipped' in e else 'error'}:"
-                     f" {e.get('skipped') or e.get('error')} | – | – | – |")
+        lines.append(f"| {e.get('context', '–')} | {_unmeasured(e)} | – | – | – |")
       else:
         lines.append(f"| {e['context']} | {e['capacity']} | {fmt(e['ms_per_iteration'], '.3f')}"
                      f" | {fmt(e.get('tokens_per_s'), ',.0f')} | {e['compile_seconds']:.1f} |")
