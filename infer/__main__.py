@@ -48,7 +48,7 @@ def _precision(args) -> tuple[str | None, str | None]:
 # The decoding options this command takes, named after `DecodingConfig`'s fields.
 DECODING_FLAGS = ("mode", "profile", "block_size", "gate", "max_stages", "schedule",
                   "confidence", "tree_budget", "lookup", "lookup_min_match",
-                  "lookup_max_probability", "draft_backoff", "fixed_width", "costs",
+                  "lookup_max_probability", "draft_backoff", "fixed_width", "costs", "calibration",
                   "width_tolerance", "allow_inexact")
 
 

@@ -47,7 +47,7 @@ def test_drafter_built_for_another_target(tiny, kind, other, taps, match):
     (dict(block_size=-2), r"block_size \(gamma\) must be an int >= 1, got -2"),
     (dict(block_size=2.0), r"block_size \(gamma\) must be an int >= 1"),
     (dict(max_stages=0), r"max_stages \(S_max\) must be an int >= 1, got 0"),
-    (dict(gate=math.nan), r"gate must be a number \(-inf and \+inf allowed\), got nan"),
+    (dict(gate=math.nan), r"gate must be a number \(-inf and \+inf allowed\) or .auto., got nan"),
     (dict(gate="high"), "gate must be a number"),
     (dict(mode="loop"), r"mode must be one of \('ar', 'sd', 'dloop'\), got 'loop'"),
     (dict(drafter=None), "mode 'dloop' needs a drafter"),

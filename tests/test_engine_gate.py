@@ -18,9 +18,12 @@ import pytest
 from flax import nnx
 
 import drafter_fixtures
+from dloop_jax.decoding import calibration
+from dloop_jax.decoding import engine
 from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import generate
 from dloop_jax.drafters import BlockDrafter, Eagle3Drafter, resolve_config
+from dloop_jax.errors import ConfigError
 
 GAMMA, S_MAX, MAX_NEW = 2, 3, 25
 P, Q = [5, 6, 7], [9, 1, 2, 3, 4]
@@ -228,3 +231,102 @@ def test_drafter_forwards_are_counted_exactly(tiny, cls):
     hand = 1 + sum(c * n for c, n in zip(drafting, per_round)) + sum(drafting) - 1
     assert row.drafter_forwards == hand
     assert drafter.counter.n == hand
+
+
+# ------------------------------------------------------------ gate="auto"
+
+
+def _table(*, full, accepted, next_accepted, block_size=GAMMA, score="probability"):
+  """A calibration with the same values in every bin (arrays broadcast to [2, bins])."""
+  shape = (len(calibration.ROWS), calibration.NUM_BINS)
+  fill = lambda x: np.broadcast_to(np.asarray(x, np.float64), shape).copy()  # noqa: E731
+  return calibration.Calibration(
+      block_size=block_size, score=score, count=fill(10), full=fill(full), full_se=fill(0),
+      accepted=fill(accepted), accepted_se=fill(0), next_count=fill(10),
+      next_accepted=fill(next_accepted), next_accepted_se=fill(0))
+
+
+def test_calibrated_rule_against_a_hand_computed_round():
+  """Another stage iff gain / (d + v(s+1) - v(s)) > T_s / C_s, by hand.
+
+  d = 0.2, v = (1.0, 1.7, 2.1, 2.3). Stage 1 scores -1.2 (bin [-1.5, -1)):
+  full 0.5, accepted 2.5, so reach 0.5 and T_1 = 1 + 2.5 = 3.5 over C_1 =
+  0.2 + 1.7 = 1.9 (1.842 tokens per unit); another stage costs 0.2 + 0.4 =
+  0.6. next_accepted 2.0 gains 0.5 x 2.0 = 1.0: 1.667 per unit, stop;
+  2.4 gains 1.2: 2.0 per unit, draft.
+  """
+  b = calibration.bin_of(-1.2)
+  assert calibration.EDGES[b - 1] == -1.5 and calibration.EDGES[b] == -1.0
+
+  def first_stage(next_accepted):
+    table = _table(full=0.1, accepted=0.0, next_accepted=0.0, block_size=4)
+    for name, value in (("full", 0.5), ("accepted", 2.5), ("next_accepted", next_accepted)):
+      getattr(table, name)[0, b] = value
+    gate = gate_lib.Gate.create(max_stages=3, table=table, stage_cost=0.2,
+                                verify_cost=[1.0, 1.7, 2.1, 2.3])
+    more, outlook = gate_lib.calibrated_continue(
+        gate, gate_lib.Outlook.start(2), score=jnp.asarray([-1.2, -7.0]), stages_done=1)
+    return np.asarray(more).tolist(), outlook, gate
+
+  more, outlook, _ = first_stage(2.0)
+  assert more == [False, False]
+  np.testing.assert_allclose(np.asarray(outlook.reach), [0.5, 0.1], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(outlook.tokens), [3.5, 1.0], rtol=1e-6)
+  more, outlook, gate = first_stage(2.4)
+  assert more == [True, False]  # the -7.0 row's bin promises nothing
+
+  # Stage 2 reads the looped row: full 0.8, accepted 3.0, next 3.5 at its
+  # score -0.5 (bin [-0.6, -0.3)). reach 0.5 x 0.8 = 0.4, T_2 = 3.5 + 0.5 x 3 =
+  # 5.0, C_2 = 0.4 + 2.1 = 2.5 (2.0 per unit); gain 0.4 x 3.5 = 1.4 over
+  # 0.2 + 0.2 = 0.4: 3.5 per unit, draft.
+  b2 = calibration.bin_of(-0.5)
+  for name, value in (("full", 0.8), ("accepted", 3.0), ("next_accepted", 3.5)):
+    gate = gate.replace(**{name: getattr(gate, name).at[1, b2].set(value)})
+  more2, outlook2 = gate_lib.calibrated_continue(gate, outlook, score=jnp.asarray([-0.5, -0.5]),
+                                                 stages_done=2)
+  np.testing.assert_allclose(np.asarray(outlook2.tokens)[0], 5.0, rtol=1e-6)
+  assert np.asarray(more2).tolist()[0]
+  # The same stage with the next verification 1.2 wider: 1.4 / 1.4 = 1 < 2, stop.
+  dearer = gate.replace(verify_cost=jnp.asarray([1.0, 1.7, 2.1, 3.3]))
+  assert not np.asarray(gate_lib.calibrated_continue(
+      dearer, outlook, score=jnp.asarray([-0.5, -0.5]), stages_done=2)[0])[0]
+  # decide(): S_max caps it, and a threshold gate ignores the table.
+  assert not np.asarray(gate_lib.decide(gate, outlook, score=jnp.asarray([-0.5, -0.5]),
+                                        learned_score=None, stages_done=3, max_stages=3)[0]).any()
+  fixed = gate_lib.Gate.create(threshold=-1.0, max_stages=3)
+  assert np.asarray(gate_lib.decide(fixed, outlook, score=jnp.asarray([-0.5, -1.5]),
+                                    learned_score=None, stages_done=1,
+                                    max_stages=3)[0]).tolist() == [True, False]
+
+
+def test_auto_gate_follows_the_table_and_the_costs_without_recompiling(tiny, drafters):
+  """End to end: with a stage that gains gamma and adds nothing to what the round already
+  expects (T stays 1), flat costs draft S_max stages every round (g = -inf's tokens and
+  stages), a steep verification stops after one (g = +inf's), a table that promises nothing
+  stops too; all three run one compiled program."""
+  drafter = drafters["perturbed"]
+  gains = _table(full=1.0, accepted=0.0, next_accepted=GAMMA)
+  flat = {1: 1.0, 1 + S_MAX * GAMMA: 1.0}
+  steep = {1: 1.0, 1 + GAMMA: 1.0, 1 + 2 * GAMMA: 200.0, 1 + 3 * GAMMA: 400.0}
+  every = _dloop(tiny, [P, Q], drafter, "auto", calibration=gains, costs=flat)
+  traces = engine._TRACE_COUNT
+  assert every.gate == "auto"
+  assert every.tokens == _dloop(tiny, [P, Q], drafter, -math.inf).tokens
+  for row in every.rows:
+    assert row.stage_histogram == [0] * S_MAX + [row.rounds]
+  one = _dloop(tiny, [P, Q], drafter, "auto", calibration=gains, costs=steep)
+  none = _dloop(tiny, [P, Q], drafter, "auto", costs=flat,
+                calibration=_table(full=1.0, accepted=0.0, next_accepted=0.0))
+  plus = _dloop(tiny, [P, Q], drafter, math.inf)
+  for out in (one, none):
+    assert out.tokens == plus.tokens
+    for row in out.rows:
+      assert row.stage_histogram == [0, row.rounds] + [0] * (S_MAX - 1)
+  assert engine._TRACE_COUNT == traces + 0  # -inf / +inf and every table: one program
+
+
+def test_auto_gate_needs_a_calibration(tiny, drafters):
+  with pytest.raises(ConfigError, match="calibration table.*python -m train.calibrate"):
+    _dloop(tiny, [P], drafters["perturbed"], "auto", costs={1: 1.0, 7: 1.0})
+  with pytest.raises(ConfigError, match="gate must be a number"):
+    _dloop(tiny, [P], drafters["perturbed"], "often")

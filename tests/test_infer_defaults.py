@@ -229,7 +229,8 @@ def test_decoding_flags_parse_into_the_config_and_name_its_defaults(capsys):
   with pytest.raises(SystemExit):
     _parse(["--help"])
   text = " ".join(capsys.readouterr().out.split())
-  assert f"DLoop's confidence gate g (default: {DecodingConfig().gate})" in text
+  assert "DLoop's confidence gate: a number g" in text
+  assert f"here) (default: {DecodingConfig().gate})" in text
   assert f"(default: {DecodingConfig().width_tolerance})" in text
   assert set(flags.FLAGS) - {"mode"} <= {  # python -m infer takes every field as a flag
       a.replace("-", "_") for a in re.findall(r"--([a-z-]+)", text)}

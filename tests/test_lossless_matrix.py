@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dloop_jax.decoding import calibration
 from dloop_jax.decoding import generate
 from dloop_jax.decoding.engine import decode_jaxpr
 from dloop_jax.decoding.lossless import near_tie
@@ -36,6 +37,16 @@ KINDS = {
 }
 SHAPE = dict(block_size=2, max_stages=2, max_new_tokens=16)
 TREE_BUDGET = 4
+# gate="auto" with a calibration whose promise alternates between score bins, so that
+# rounds stop after one stage or draft two by the stage's score (any decision is lossless).
+_ALTERNATING = np.where(np.arange(calibration.NUM_BINS) % 2 == 0, 2.0, 0.0)[None, :].repeat(
+    len(calibration.ROWS), axis=0)
+AUTO = dict(gate="auto", costs={1: 1.0, 5: 1.2, 9: 1.4, 16: 1.6}, calibration=(
+    calibration.Calibration(block_size=2, score="probability", count=np.ones_like(_ALTERNATING),
+                            full=np.full_like(_ALTERNATING, 0.5), full_se=0 * _ALTERNATING,
+                            accepted=np.ones_like(_ALTERNATING), accepted_se=0 * _ALTERNATING,
+                            next_count=np.ones_like(_ALTERNATING), next_accepted=_ALTERNATING,
+                            next_accepted_se=0 * _ALTERNATING)))
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +75,11 @@ def test_f32_free_widths_equal_ar_up_to_near_ties(targets, drafters, kind):
   ar = generate(target, prompts, **SHAPE)
   assert ar.fixed_width is None
   runs = [dict(mode="dloop", gate=-math.inf, schedule="cost"),
+          dict(mode="dloop", schedule="cost", **AUTO),
           dict(mode="sd", schedule="off")]
   if drafter.supports_trees:
     runs.append(dict(mode="dloop", gate=-math.inf, tree_budget=TREE_BUDGET))
+    runs.append(dict(mode="dloop", tree_budget=TREE_BUDGET, **AUTO))
   for options in runs:
     out = generate(target, prompts, drafter=drafter, **options, **SHAPE)
     assert out.fixed_width is None
@@ -81,10 +94,10 @@ def test_16_bit_default_equals_ar_bit_for_bit(targets, drafters, kind):
     prompts = _prompts(batch, seed=10 * batch + len(kind))
     ar = generate(target, prompts, **SHAPE)
     assert ar.fixed_width == 5  # the cpu profile's width holds 2 stages of 2
-    for mode, gate in (("dloop", -math.inf), ("dloop", -0.5)):
-      out = generate(target, prompts, mode=mode, drafter=drafter, gate=gate, **SHAPE)
+    for gate in (dict(gate=-math.inf), dict(gate=-0.5), AUTO):
+      out = generate(target, prompts, mode="dloop", drafter=drafter, **gate, **SHAPE)
       assert out.fixed_width == 5
-      assert out.tokens == ar.tokens, (kind, batch, mode, gate)
+      assert out.tokens == ar.tokens, (kind, batch, gate["gate"])
 
 
 def test_16_bit_sd_and_the_gpu_profile_equal_ar_bit_for_bit(targets, drafters):

@@ -31,6 +31,20 @@ def validate_mode(mode) -> None:
     raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
 
 
+# gate="auto": the calibrated rule (`decoding.gate`).
+AUTO_GATE = "auto"
+
+
+def parse_gate(text: str) -> float | str:
+  """A command line's gate: "auto" or a number."""
+  if text.strip().lower() == AUTO_GATE:
+    return AUTO_GATE
+  try:
+    return float(text)
+  except ValueError:
+    raise ValueError(f"gate must be a number or {AUTO_GATE!r}, got {text!r}") from None
+
+
 def _positive(name: str, value) -> None:
   if not is_int(value) or value < 1:
     raise ConfigError(f"{name} must be an int >= 1, got {value!r}.")
@@ -64,9 +78,12 @@ def validate_values(*, mode, block_size, gate, max_stages, schedule, draft_backo
     _positive("block_size (gamma)", block_size)
   if max_stages is not None:
     _positive("max_stages (S_max)", max_stages)
+  if gate == AUTO_GATE:
+    return
   if (isinstance(gate, bool) or not isinstance(gate, (numbers.Real, np.floating, np.integer))
       or math.isnan(float(gate))):
-    raise ConfigError(f"gate must be a number (-inf and +inf allowed), got {gate!r}.")
+    raise ConfigError(f"gate must be a number (-inf and +inf allowed) or {AUTO_GATE!r}, got"
+                      f" {gate!r}.")
 
 
 def validate(*, mode, drafter, block_size, gate, max_stages, target, schedule, draft_backoff,

@@ -23,6 +23,7 @@ from typing import Any
 
 from dloop_jax import profiles
 from dloop_jax.decoding import arguments
+from dloop_jax.decoding import calibration as calibration_lib
 from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.errors import ConfigError
@@ -46,7 +47,9 @@ class DecodingConfig:
     mode: "ar", "sd" or "dloop".
     block_size: gamma, drafts per stage (None: the drafter's, or what a fixed
       width holds).
-    gate: DLoop's confidence gate g.
+    gate: DLoop's confidence gate g, or "auto": another stage when the
+      drafter's calibration says its expected tokens pay for its cost on this
+      machine (`decoding.gate`).
     max_stages: S_max (None: 3, or what a fixed width holds).
     schedule: "cost", "off" or None (cost at free widths, off otherwise).
     confidence: the cost scheduler's c_k: "auto", "drafter" or "probability".
@@ -56,6 +59,9 @@ class DecodingConfig:
     draft_backoff: longest drafting pause in rounds (None:
       `DEFAULT_DRAFT_BACKOFF` with schedule "cost", else 0).
     costs: the scheduler's cost table (None: cached or the profile's default).
+    calibration: gate="auto"'s table (`decoding.calibration`): a
+      `Calibration`, {score: Calibration} or a JSON path; None: the one the
+      drafter's export holds.
     width_tolerance: with schedule="cost", a width whose forward costs within
       this fraction of a wider compiled width's is not compiled (the
       scheduler loses at most this fraction of a round's tokens per cost;
@@ -74,7 +80,7 @@ class DecodingConfig:
 
   mode: str = "ar"
   block_size: int | None = None
-  gate: float = -0.5
+  gate: float | str = -0.5
   max_stages: int | None = None
   schedule: str | None = None
   confidence: str = "auto"
@@ -82,6 +88,7 @@ class DecodingConfig:
   fixed_width: int | None = None
   draft_backoff: int | None = None
   costs: Any = None
+  calibration: Any = None
   width_tolerance: float = 0.02
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
   lookup: str = "auto"
@@ -112,6 +119,16 @@ class DecodingConfig:
     return dataclasses.replace(self, block_size=shape.block_size, max_stages=shape.max_stages,
                                schedule=shape.schedule, fixed_width=shape.fixed_width,
                                lookup=lookup)
+
+
+def calibration_table(config: DecodingConfig, *, drafter) -> "calibration_lib.Calibration | None":
+  """The calibration gate="auto" reads: the config's or the drafter's, for the score the
+  engine gives it (the learned confidence where the scheduler uses it, else the
+  drafter's probabilities)."""
+  learned = (config.confidence != "probability" and drafter is not None
+             and drafter.has_confidence)
+  return calibration_lib.resolve(config.calibration, drafter=drafter,
+                                 score="learned" if learned else "probability")
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(DecodingConfig))
@@ -172,6 +189,13 @@ def resolve(config: DecodingConfig, *, target, drafter=None) -> DecodingConfig:
   lookup_lib.validate(lookup=c.lookup, min_match=c.lookup_min_match,
                       max_probability=c.lookup_max_probability, mode=c.mode,
                       greedy=c.sampling.greedy, tree_budget=c.tree_budget)
+  if c.mode == "dloop" and c.gate == arguments.AUTO_GATE and calibration_table(
+      c, drafter=drafter) is None:
+    raise ConfigError(
+        f"gate='auto' reads the drafter's calibration table, and drafter"
+        f" {getattr(drafter, 'name', '?')!r} has none: measure it with `python -m train.calibrate"
+        " --drafters NAME_OR_PATH --write` (stored in its drafter.json), pass calibration=... (a"
+        " table or its JSON file), or give gate a number.")
   if c.draft_backoff is None:
     cost = c.mode != "ar" and c.schedule == "cost"
     c = dataclasses.replace(c, draft_backoff=DEFAULT_DRAFT_BACKOFF if cost else 0)

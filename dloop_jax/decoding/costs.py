@@ -280,6 +280,28 @@ def for_target(target, *, batch_size: int, widths: Sequence[int] = (),
   return table
 
 
+def draft_stage_fraction(drafter, target, *, block_size: int) -> float:
+  """A drafting stage's cost, in target decode steps: the weight bytes it reads over the
+  target's.
+
+  Decoding a token streams every weight of the target once; a drafting stage
+  streams the drafter's own weights and the rows of its LM head (the target's,
+  restricted to the draft vocabulary where it has one, read in bfloat16) once
+  per drafter forward: one for a parallel drafter's whole block, gamma for an
+  autoregressive one (`Drafter.forwards_per_stage`). The estimate gate="auto"
+  weighs a stage with (docs/decoding.md compares it with measured stages).
+  """
+  target_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target)))
+  own = sum(x.nbytes for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
+  spec = getattr(drafter, "spec", None)
+  vocab = target.config.vocab_size
+  if getattr(drafter, "reduced_vocab", False) and getattr(spec, "draft_vocab_size", 0):
+    vocab = spec.draft_vocab_size
+  head = vocab * target.config.hidden_size * 2
+  forwards = drafter.forwards_per_stage(block_size, first=False)
+  return forwards * (own + head) / max(target_bytes, 1)
+
+
 def as_table(value) -> CostTable:
   """A `CostTable` from a table, a {width: cost} mapping or a JSON file path."""
   if isinstance(value, CostTable):

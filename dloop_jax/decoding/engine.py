@@ -394,11 +394,11 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
                                     block_size=s.draft_width, min_match=s.lookup_min_match)
 
     def stage_cond(c):
-      stage, _, _, _, _, _, going, _ = c
+      stage, _, _, _, _, _, going, _, _ = c
       return (stage < s.max_stages) & jnp.any(going)
 
     def stage_body(c):
-      stage, dstate, drafts, conf, probs, num_stages, going, looked_up = c
+      stage, dstate, drafts, conf, probs, num_stages, going, looked_up, outlook = c
       dstate, drafted = drafter.draft_stage(
           dstate, key=jax.random.fold_in(draft_key, stage), block_size=gamma, sampling=s.sampling)
       drafts = jax.lax.dynamic_update_slice(drafts, drafted.tokens.astype(jnp.int32),
@@ -421,17 +421,21 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
             min_match=s.lookup_min_match, max_probability=s.lookup_max_probability))
         going = going & ~looked_up
       if s.mode == "dloop":
-        confidence = gate_lib.stage_confidence(drafted.logprobs)
-        going = going & gate_lib.continue_drafting(
-            confidence, gate=gate, stages_done=stage + 1, max_stages=s.max_stages)
+        learned = (None if drafted.confidence is None else gate_lib.stage_confidence(
+            jnp.log(jnp.maximum(drafted.confidence.astype(jnp.float32), 1e-30))))
+        more, outlook = gate_lib.decide(
+            gate, outlook, score=gate_lib.stage_confidence(drafted.logprobs),
+            learned_score=learned, stages_done=stage + 1, max_stages=s.max_stages)
+        going = going & more
       else:
         going = jnp.zeros_like(going)
-      return stage + 1, dstate, drafts, conf, probs, num_stages, going, looked_up
+      return stage + 1, dstate, drafts, conf, probs, num_stages, going, looked_up, outlook
 
-    _, dstate, drafts, conf, probs, num_stages, _, looked_up = jax.lax.while_loop(
+    _, dstate, drafts, conf, probs, num_stages, _, looked_up, _ = jax.lax.while_loop(
         stage_cond, stage_body,
         (jnp.zeros((), jnp.int32), dstate, drafts0, conf0, probs0, zeros,
-         draft_policy.wants_draft(lp.backoff, active=active), jnp.zeros((b,), bool)))
+         draft_policy.wants_draft(lp.backoff, active=active), jnp.zeros((b,), bool),
+         gate_lib.Outlook.start(b)))
     num_drafts = num_stages * gamma
     if s.lookup:
       # The lookup's drafts replace the drafter's, up to the round's whole
@@ -575,7 +579,7 @@ def _prepare(
       config = config.replace(fixed_width=0)  # a growing cache runs at free widths
   config = config_lib.resolve(config, target=target, drafter=drafter)
   arguments.validate_max_new_tokens(max_new_tokens)
-  mode, block_size, gate = config.mode, config.block_size, config.gate
+  mode, block_size = config.mode, config.block_size
   max_stages, sampling = config.max_stages, config.sampling
   tree_budget, confidence, fixed_width = config.tree_budget, config.confidence, config.fixed_width
   if capture_taps and mode != "ar":
@@ -643,9 +647,10 @@ def _prepare(
       static = dataclasses.replace(static, choosable=keep)
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
+  gate = _gate(config, static=static, target=target, drafter=drafter, batch_size=len(prompts))
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths),
           jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_array), key,
-          jnp.asarray(gate, jnp.float32), jnp.asarray(cost, jnp.float32),
+          gate, jnp.asarray(cost, jnp.float32),
           jnp.asarray(config.draft_backoff, jnp.int32),
           jnp.asarray(confidence != "probability" and not is_ar and drafter.has_confidence))
   if target.mesh is not None:
@@ -658,6 +663,28 @@ def _prepare(
     args = (args[0], *sharding_lib.replicate(args[1:2], mesh), *rows,
             *sharding_lib.replicate(args[4:], mesh))
   return static, args
+
+
+def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
+          drafter: Drafter | None, batch_size: int) -> gate_lib.Gate:
+  """The gate's traced settings: dloop's threshold, or the calibrated rule with this
+  machine's costs (the forward verifying s stages' drafts, s = 0..S_max, and a drafting
+  stage, `costs.draft_stage_fraction` of a one-token forward)."""
+  s_max = static.max_stages
+  if static.mode != "dloop" or config.gate != arguments.AUTO_GATE:
+    threshold = config.gate if static.mode == "dloop" else 0.0
+    return gate_lib.Gate.create(threshold=threshold, max_stages=s_max)
+  per_stage = static.tree_budget or static.block_size
+  widths = [static.fixed_width or 1 + n * per_stage for n in range(s_max + 1)]
+  table_widths = sorted(set(widths) | {1})
+  measured = costs_lib.resolve(config.costs, target=target, batch_size=batch_size,
+                               widths=table_widths, profile=config.profile)
+  cost_at = dict(zip(table_widths, (float(c) for c in measured)))
+  stage = cost_at[1] * costs_lib.draft_stage_fraction(drafter, target,
+                                                     block_size=static.block_size)
+  return gate_lib.Gate.create(
+      max_stages=s_max, table=config_lib.calibration_table(config, drafter=drafter),
+      stage_cost=stage, verify_cost=[cost_at[w] for w in widths])
 
 
 def _matmul_precision(target: Transformer):
@@ -826,6 +853,8 @@ def generate(
   prompts = [list(p) for p in prompts]
   mode, gate = config.mode, config.gate
   is_ar = mode == "ar"
+  if mode == "dloop" and gate != arguments.AUTO_GATE:
+    gate = float(gate)
   gamma, s_max = static.block_size, static.max_stages
 
   compile_seconds = 0.0
@@ -851,7 +880,7 @@ def generate(
   return GenerationOutput(
       tokens=[out[i, :int(num_new[i])].tolist() for i in range(len(prompts))],
       rows=rows, seconds=seconds, compile_seconds=compile_seconds, mode=mode,
-      block_size=gamma or None, gate=float(gate) if mode == "dloop" else None,
+      block_size=gamma or None, gate=gate if mode == "dloop" else None,
       max_stages=s_max if not is_ar else None,
       schedule=static.schedule if not is_ar else None, features=feats,
       fixed_width=static.fixed_width or None, widths=static.widths)

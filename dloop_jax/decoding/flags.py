@@ -49,7 +49,11 @@ FLAGS: dict[str, Flag] = {
     "mode": Flag(str, "ar, sd or dloop", arguments.MODES),
     "block_size": Flag(int, "gamma: drafts per stage (default: the drafter's; dloop at a fixed"
                             " width: what the width verifies whole, 2 at width 5)"),
-    "gate": Flag(float, "DLoop's confidence gate g"),
+    "gate": Flag(arguments.parse_gate, "DLoop's confidence gate: a number g (draft another"
+                                       " stage while the stage's summed log-probability is"
+                                       " at least g), or auto (while the drafter's"
+                                       " calibration says another stage pays for its cost"
+                                       " here)"),
     "max_stages": Flag(int, "S_max: stages per verification (default:"
                             f" {profiles.DEFAULT_MAX_STAGES}; dloop at a fixed width: what the"
                             " width verifies whole, 2 at width 5)"),
@@ -78,6 +82,8 @@ FLAGS: dict[str, Flag] = {
                        " target's table now if none is cached). Default: $DLOOP_COSTS, else the"
                        " table python -m infer.costs cached for the target, else the"
                        " profile's default table"),
+    "calibration": Flag(str, "gate auto's calibration table: a JSON file written by python -m"
+                             " train.calibrate (default: the one the drafter's export holds)"),
     "width_tolerance": Flag(float, "with the cost schedule, a width whose forward costs within"
                                    " this fraction of a wider one's is not compiled (0: every"
                                    " width)"),

@@ -83,7 +83,7 @@ def max_nodes(*, budget: int, block_size: int, max_stages: int, dloop: bool) -> 
   return tuple(s * budget + (s - 1) * path for s in range(1, max_stages + 1))
 
 
-def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, block_size: int,
+def draft(drafter, state, *, going: jax.Array, gate: gate_lib.Gate, dloop: bool, block_size: int,
           max_stages: int, budget: int) -> tuple[Any, Drafted]:
   """Gated tree drafting: stage s + 1 grows from the end of stage s's best path.
 
@@ -91,7 +91,7 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
     drafter: a drafter with `supports_trees`.
     state: its state after the last commit.
     going: [B] rows that draft this round.
-    gate: DLoop's g (only with `dloop`).
+    gate: DLoop's gate (`gate.Gate`; only with `dloop`).
     block_size: gamma.
     max_stages: S_max (1 for sd).
     budget: B, nodes per stage.
@@ -107,20 +107,22 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
   zeros = jnp.zeros((b,), jnp.int32)
 
   def cond(c):
-    stage, _, _, _, going, _, _, _ = c
+    stage, _, _, _, going, _, _, _, _ = c
     return (stage < max_stages) & jnp.any(going)
 
   def body(c):
-    stage, dstate, tree, num_stages, going, end, end_depth, end_score = c
+    stage, dstate, tree, num_stages, going, end, end_depth, end_score, outlook = c
     dstate, ts = drafter.draft_tree_stage(dstate, block_size=block_size, budget=budget)
     cands = (ts.candidates if ts.candidates is not None
              else tree_lib.beam(ts.logprobs,
                                 width=tree_lib.beam_width(budget, keeps_path=slots > budget)))
     if dloop:
       # The best path's log q: the chain's stage confidence for marginals
-      # (sum of the per-position maxima).
-      more = going & gate_lib.continue_drafting(
-          cands.best_score, gate=gate, stages_done=stage + 1, max_stages=max_stages)
+      # (sum of the per-position maxima). The calibrated rule reads it as a
+      # chain's: the tree's other paths only add to what it expects.
+      more, outlook = gate_lib.decide(gate, outlook, score=cands.best_score, learned_score=None,
+                                      stages_done=stage + 1, max_stages=max_stages)
+      more = going & more
     else:
       more = jnp.zeros_like(going)
     t, best_end = tree_lib.select(cands, budget=budget,
@@ -135,11 +137,11 @@ def draft(drafter, state, *, going: jax.Array, gate: jax.Array, dloop: bool, blo
     end = jnp.where(more, best_end + offset, end)
     end_depth = jnp.where(more, end_depth + block_size, end_depth)
     end_score = jnp.where(more, end_score + cands.best_score, end_score)
-    return stage + 1, dstate, tree, num_stages + going, more, end, end_depth, end_score
+    return stage + 1, dstate, tree, num_stages + going, more, end, end_depth, end_score, outlook
 
-  _, state, tree, num_stages, _, _, _, _ = jax.lax.while_loop(
+  _, state, tree, num_stages, _, _, _, _, _ = jax.lax.while_loop(
       cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros,
-                   jnp.zeros((b,), jnp.float32)))
+                   jnp.zeros((b,), jnp.float32), gate_lib.Outlook.start(b)))
   # The last stage never continues: its path slots are padding.
   most = max_nodes(budget=budget, block_size=block_size, max_stages=max_stages, dloop=dloop)[-1]
   tree = jax.tree.map(lambda x: x[:, :most], tree)
@@ -211,7 +213,7 @@ def node_confidence(tree: tree_lib.Tree) -> jax.Array:
 
 def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, max_stages: int,
               budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: jax.Array,
-              key: jax.Array, gate: jax.Array, stop: jax.Array, max_skip: jax.Array,
+              key: jax.Array, gate: gate_lib.Gate, stop: jax.Array, max_skip: jax.Array,
               schedule: str, widths: tuple[int, ...], costs: jax.Array):
   """One tree round on the engine's loop state `lp` (see `engine._Loop`).
 

@@ -52,6 +52,11 @@ def _floats(text: str) -> list[float]:
   return [float(x) for x in _names(text)]
 
 
+def _gates(text: str) -> list[float | str]:
+  from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
+  return [arguments.parse_gate(x) for x in _names(text)]
+
+
 def _ints(text: str) -> list[int]:
   return [int(x) for x in _names(text)]
 
@@ -124,7 +129,10 @@ def _parse(argv):
                  help="prompt-lookup decoding: draft tokens per step (transformers' default 10)")
   p.add_argument("--sweep", action="store_true",
                  help="also sweep DLoop's gate and S_max (writes gate_sweep.png)")
-  p.add_argument("--sweep-gates", type=_floats, default=_floats("-2,-1,-0.75,-0.5,-0.25,0"))
+  p.add_argument("--sweep-gates", type=_gates, default=_gates("-2,-1,-0.75,-0.5,-0.25,0"),
+                 help="gates of the sweep: numbers and / or auto (the calibrated rule; it runs"
+                      " twice, with this machine's cost table and with the gpu profile's, the"
+                      " modeled accelerator's)")
   p.add_argument("--sweep-max-stages", type=_ints, default=_ints("2,3,4"))
   p.add_argument("--sweep-prompts", type=int, default=2,
                  help="prompts per category of the main run reused by the sweep")
@@ -607,6 +615,7 @@ def _agreement(records, method: str) -> str:
 def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) -> list[dict]:
   """DLoop over gate x S_max on the first --sweep-prompts prompts of each category."""
   from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from infer.bench import report  # pylint: disable=g-import-not-at-top
   chosen, seen = [], {}
   for p, ids in prompts:
@@ -615,6 +624,12 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
       seen[p.category] = seen.get(p.category, 0) + 1
   keys = {(p.category, p.id) for p, _ in chosen}
   ar = [r for r in records if r["method"] == "ar" and (r["category"], r["prompt_id"]) in keys]
+  ar_tokens = {(r["category"], r["prompt_id"]): r["tokens"] for r in ar}
+  # gate="auto" runs with this machine's table and with the gpu profile's (flat: the
+  # accelerator the modeled speedup assumes), so its accelerator figure is the rule's there.
+  gates = [(g, None) for g in args.sweep_gates]
+  if arguments.AUTO_GATE in args.sweep_gates:
+    gates.append((arguments.AUTO_GATE, costs_lib.default_table("gpu")))
   points = []
   for label, d in drafters:
     # The gate alone: every round drafts (no back-off), the scheduler and the
@@ -625,20 +640,31 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
         target=target.model, drafter=d, drafter_label=label, **common)
     for s_max in args.sweep_max_stages:
       # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
-      for g in args.sweep_gates:
-        recs = [_record(p, m, methods_lib.timed_run(m, ids, gate=g, max_stages=s_max),
-                        prompt_len=len(ids))
-                for p, ids in chosen]
+      for g, table in gates:
+        changes = dict(gate=g, max_stages=s_max) | ({"costs": table} if table else {})
+        recs = []
+        for p, ids in chosen:
+          rec = _record(p, m, methods_lib.timed_run(m, ids, **changes), prompt_len=len(ids))
+          _check_against_ar(target.model, ids, ar_tokens[p.category, p.id], rec,
+                            greedy=m.decoding.sampling.greedy)
+          recs.append(rec)
         # The same aggregation as the main table, over these prompts and their ar runs.
         row = next(r for r in report.summarize(ar + recs)
                    if r["category"] == report.OVERALL and r["method"] == m.method_name)
+        costs_name = "gpu profile" if table else "this machine"
         point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(recs),
+                     costs=costs_name,
+                     identical_to_ar=sum(bool(r["identical_to_ar"]) for r in recs),
                      **{k: row[k] for k in ("tokens_per_second", "speedup_vs_ar",
-                                            "acceptance_length", "stages_per_round")})
+                                            "modeled_speedup", "acceptance_length",
+                                            "stages_per_round", "multi_stage_fraction")})
         points.append(point)
-        _log(f"[sweep {label}] S_max {s_max} g {g:+.2f}: τ {point['acceptance_length']:.2f},"
+        name = f"{g:+.2f}" if g != arguments.AUTO_GATE else f"auto ({costs_name}'s costs)"
+        _log(f"[sweep {label}] S_max {s_max} g {name}: τ {point['acceptance_length']:.2f},"
              f" {point['stages_per_round']:.2f} stages/round,"
-             f" speedup {point['speedup_vs_ar']:.2f}×")
+             f" speedup {point['speedup_vs_ar']:.2f}×, modeled accelerator"
+             f" {point['modeled_speedup']:.2f}×, {point['identical_to_ar']}/{len(recs)}"
+             " identical to ar")
   return points
 
 

@@ -165,37 +165,50 @@ def plot_speedups(rows: Sequence[dict], path: str) -> None:
 
 
 def plot_sweep(points: Sequence[dict], path: str) -> None:
-  """tau and speedup against the gate g, one line per S_max (and drafter)."""
+  """tau, speedup and the modeled accelerator speedup against the gate g, one line per S_max
+  (and drafter); gate="auto" as a horizontal line of the same color (dashed: this machine's
+  costs, dotted: the gpu profile's)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   series = collections.defaultdict(list)
   for p in points:
     series[(p["drafter"], p["max_stages"])].append(p)
+  numeric = [p for p in points if not isinstance(p["gate"], str)]
   # g = -inf (always draft S_max stages) is drawn one step left of the finite gates.
-  finite = sorted({p["gate"] for p in points if math.isfinite(p["gate"])}) or [0.0]
+  finite = sorted({p["gate"] for p in numeric if math.isfinite(p["gate"])}) or [0.0]
   step = (finite[-1] - finite[0]) / max(len(finite) - 1, 1) or 1.0
   minus_inf_at = finite[0] - step
 
   def x_of(gate: float) -> float:
     return minus_inf_at if gate == -math.inf else gate
 
+  keys = ("acceptance_length", "speedup_vs_ar", "modeled_speedup")
   for (drafter, s_max), pts in sorted(series.items()):
-    pts = sorted(pts, key=lambda p: p["gate"])
+    fixed = sorted((p for p in pts if not isinstance(p["gate"], str)), key=lambda p: p["gate"])
     label = f"{drafter}, S_max={s_max}"
-    xs = [x_of(p["gate"]) for p in pts]
-    ax_tau.plot(xs, [p["acceptance_length"] for p in pts], "o-", label=label)
-    ax_speed.plot(xs, [p["speedup_vs_ar"] for p in pts], "o-", label=label)
-  has_minus_inf = any(p["gate"] == -math.inf for p in points)
-  for ax, name in ((ax_tau, "acceptance length τ"), (ax_speed, "speedup vs autoregressive")):
+    color = None
+    for ax, key in zip(axes, keys):
+      line, = ax.plot([x_of(p["gate"]) for p in fixed], [p[key] or 0.0 for p in fixed], "o-",
+                      label=label, color=color)
+      color = line.get_color()
+      for p in pts:
+        if isinstance(p["gate"], str):
+          style = ":" if p.get("costs") == "gpu profile" else "--"
+          ax.axhline(p[key] or 0.0, color=color, linestyle=style, linewidth=1,
+                     label=f"{label}, auto ({p.get('costs', 'this machine')}'s costs)")
+  has_minus_inf = any(p["gate"] == -math.inf for p in numeric)
+  names = ("acceptance length τ", "speedup vs autoregressive (this machine)",
+           "modeled accelerator speedup")
+  for ax, name in zip(axes, names):
     ax.set_xlabel("gate g")
     ax.set_ylabel(name)
     ax.grid(alpha=0.3)
     if has_minus_inf:
       ticks = [minus_inf_at] + finite
       ax.set_xticks(ticks, ["-∞"] + [f"{g:g}" for g in finite])
-  ax_speed.legend(fontsize=7)
+  axes[1].legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
