@@ -4,6 +4,9 @@
     python -m infer.costs --recalibrate                 # measure again, update the cache
     python -m infer.costs --batch-size 4 --save t.json  # another batch size, also to a file
     python -m infer.costs --widths 1,2,3,5,9,13,17,21   # measure these widths
+    python -m infer.costs --drafters NAME,...           # also a drafting stage of each
+                                                        # drafter, in one-token forwards
+                                                        # (what gate="auto" weighs a stage)
     python -m infer.costs --weights both                # f32 and bf16 tables, and which
                                                         # storage the cpu profile takes here
                                                         # (the cheaper 5-token forward)
@@ -34,8 +37,26 @@ def _parse(argv):
   p.add_argument("--cache-length", type=int, default=None,
                  help="measure (and print, not cache) at this many filled cache slots")
   p.add_argument("--recalibrate", action="store_true", help="measure even if cached")
+  p.add_argument("--drafters", default="",
+                 help="comma-separated drafters (names or export directories): also measure"
+                      " (and cache) a drafting stage of each against a one-token forward")
   p.add_argument("--save", default=None, help="also write the table to this JSON file")
   return p.parse_args(argv)
+
+
+def _draft_stages(args, target, costs_lib) -> None:
+  from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
+  for name in [d.strip() for d in args.drafters.split(",") if d.strip()]:
+    drafter = drafter_io.load_drafter(name, target=target)
+    gamma = drafter.block_size
+    cached = (None if args.recalibrate else costs_lib.cached_draft_stage(
+        target, drafter, batch_size=args.batch_size, block_size=gamma))
+    measured = cached if cached is not None else costs_lib.measure_draft_stage(
+        target, drafter, batch_size=args.batch_size, block_size=gamma)
+    modeled = costs_lib.modeled_draft_stage_fraction(drafter, target, block_size=gamma)
+    print(f"drafting stage of {name} (gamma {gamma}): {measured:.3f} of a one-token forward"
+          f" {'(cached)' if cached is not None else '(measured)'}; modeled by weight bytes"
+          f" {modeled:.3f}")
 
 
 def main(argv=None) -> int:
@@ -76,6 +97,7 @@ def main(argv=None) -> int:
       width_cost[weights] = float(table.at([profiles.CPU_FIXED_WIDTH])[0])
       if args.save:
         print(f"saved to {table.save(args.save)}", file=sys.stderr)
+      _draft_stages(args, target.model, costs_lib)
     if args.weights == "both":
       path = profiles.record_cpu_weights(step_cost, width_cost=width_cost)
       w = profiles.CPU_FIXED_WIDTH

@@ -280,16 +280,18 @@ def for_target(target, *, batch_size: int, widths: Sequence[int] = (),
   return table
 
 
-def draft_stage_fraction(drafter, target, *, block_size: int) -> float:
-  """A drafting stage's cost, in target decode steps: the weight bytes it reads over the
-  target's.
+def modeled_draft_stage_fraction(drafter, target, *, block_size: int) -> float:
+  """A drafting stage's cost in target decode steps, modeled: the weight bytes it reads over
+  the target's.
 
   Decoding a token streams every weight of the target once; a drafting stage
   streams the drafter's own weights and the rows of its LM head (the target's,
   restricted to the draft vocabulary where it has one, read in bfloat16) once
   per drafter forward: one for a parallel drafter's whole block, gamma for an
-  autoregressive one (`Drafter.forwards_per_stage`). The estimate gate="auto"
-  weighs a stage with (docs/decoding.md compares it with measured stages).
+  autoregressive one (`Drafter.forwards_per_stage`). Where the weights are not
+  all a step costs (small models on a CPU, where a stage measured 0.19-0.24 of
+  a step against a modeled 0.10-0.36), `draft_stage_fraction` takes the
+  measured ratio once `measure_draft_stage` has cached it.
   """
   target_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target)))
   own = sum(x.nbytes for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
@@ -300,6 +302,102 @@ def draft_stage_fraction(drafter, target, *, block_size: int) -> float:
   head = vocab * target.config.hidden_size * 2
   forwards = drafter.forwards_per_stage(block_size, first=False)
   return forwards * (own + head) / max(target_bytes, 1)
+
+
+STAGE_FORMAT = "dloop_jax.draft_stage/1"
+STAGE_CONTEXT = 256  # committed tokens the drafter holds when a stage is timed
+
+
+def _stage_key(target, drafter, *, batch_size: int, block_size: int) -> dict:
+  params = sorted((str(k), tuple(x.shape), str(x.dtype)) for k, x in
+                  jax.tree_util.tree_leaves_with_path(nnx.state(drafter, nnx.Param)))
+  return dict(cache_key(target, batch_size=batch_size), drafter=str(drafter.name),
+              drafter_params=hashlib.sha256(repr(params).encode()).hexdigest()[:16],
+              block_size=int(block_size), what="draft_stage")
+
+
+def measure_draft_stage(target, drafter, *, batch_size: int, block_size: int,
+                        repeats: int = 15, directory: str | None = None) -> float:
+  """Measures a drafting stage over a one-token target forward on this machine, caches it.
+
+  A jitted `draft_stage` of `block_size` drafts after `STAGE_CONTEXT`
+  committed tokens (random tokens and features), and the target's one-token
+  forward as `calibrate` times it, interleaved; the ratio of their medians.
+  """
+  from dloop_jax.decoding import sampling as sampling_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  b, n = batch_size, STAGE_CONTEXT
+  tgraph, tstate = nnx.split(target)
+  cache = target.init_cache(batch_size=b, capacity=_capacity(target) + n)
+  cache = cache.with_lengths(jnp.full((b,), _capacity(target) // 2, jnp.int32))
+  token = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, 1)), jnp.int32)
+  dgraph, dparams = nnx.split(drafter)
+  tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, n)), jnp.int32)
+  features = jnp.asarray(0.1 * rng.standard_normal(
+      (b, n, len(drafter.taps), target.config.hidden_size)), target.dtype)
+
+  @jax.jit
+  def committed(params):
+    d = nnx.merge(dgraph, params)
+    return d.commit(d.init_state(batch_size=b, capacity=n + 8 * block_size), tokens=tokens,
+                    features=features, next_tokens=jnp.roll(tokens, -1, axis=1),
+                    starts=jnp.zeros((b,), jnp.int32), counts=jnp.full((b,), n, jnp.int32))
+
+  @jax.jit
+  def stage(params, state):
+    d = nnx.merge(dgraph, params)
+    return d.draft_stage(state, key=jax.random.key(0), block_size=block_size,
+                         sampling=sampling_lib.GREEDY)[1].tokens
+
+  state = committed(dparams)
+  stage(dparams, state).block_until_ready()
+  _forward(tgraph, tstate, token, cache).block_until_ready()
+  times = {"stage": [], "step": []}
+  for _ in range(max(1, repeats)):
+    t0 = time.perf_counter()
+    stage(dparams, state).block_until_ready()
+    times["stage"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    _forward(tgraph, tstate, token, cache).block_until_ready()
+    times["step"].append(time.perf_counter() - t0)
+  fraction = statistics.median(times["stage"]) / statistics.median(times["step"])
+  key = _stage_key(target, drafter, batch_size=batch_size, block_size=block_size)
+  path = _path(key, directory)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump({"format": STAGE_FORMAT, "fraction": fraction, "key": key}, f, indent=1)
+  os.replace(tmp, path)
+  return fraction
+
+
+def cached_draft_stage(target, drafter, *, batch_size: int, block_size: int,
+                       directory: str | None = None) -> float | None:
+  """The fraction `measure_draft_stage` cached for these, or None."""
+  path = _path(_stage_key(target, drafter, batch_size=batch_size, block_size=block_size),
+               directory)
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    value = float(data["fraction"]) if data.get("format") == STAGE_FORMAT else None
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  return value if value is not None and math.isfinite(value) and value > 0 else None
+
+
+def draft_stage_fraction(drafter, target, *, block_size: int, batch_size: int = 1,
+                         measure: bool = False) -> float:
+  """A drafting stage's cost in one-token target forwards, as gate="auto" weighs it: measured
+  on this machine when cached (`measure_draft_stage`; measured now with `measure`), else
+  modeled (`modeled_draft_stage_fraction`)."""
+  cached_value = cached_draft_stage(target, drafter, batch_size=batch_size,
+                                    block_size=block_size)
+  if cached_value is None and measure:
+    cached_value = measure_draft_stage(target, drafter, batch_size=batch_size,
+                                       block_size=block_size)
+  if cached_value is not None:
+    return cached_value
+  return modeled_draft_stage_fraction(drafter, target, block_size=block_size)
 
 
 def as_table(value) -> CostTable:

@@ -669,7 +669,8 @@ def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
           drafter: Drafter | None, batch_size: int) -> gate_lib.Gate:
   """The gate's traced settings: dloop's threshold, or the calibrated rule with this
   machine's costs (the forward verifying s stages' drafts, s = 0..S_max, and a drafting
-  stage, `costs.draft_stage_fraction` of a one-token forward)."""
+  stage, `costs.draft_stage_fraction` of a one-token forward: measured here when cached,
+  measured now with costs="calibrate", else modeled)."""
   s_max = static.max_stages
   if static.mode != "dloop" or config.gate != arguments.AUTO_GATE:
     threshold = config.gate if static.mode == "dloop" else 0.0
@@ -680,8 +681,9 @@ def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
   measured = costs_lib.resolve(config.costs, target=target, batch_size=batch_size,
                                widths=table_widths, profile=config.profile)
   cost_at = dict(zip(table_widths, (float(c) for c in measured)))
-  stage = cost_at[1] * costs_lib.draft_stage_fraction(drafter, target,
-                                                     block_size=static.block_size)
+  stage = cost_at[1] * costs_lib.draft_stage_fraction(
+      drafter, target, block_size=static.block_size, batch_size=batch_size,
+      measure=isinstance(config.costs, str) and config.costs == costs_lib.CALIBRATE)
   return gate_lib.Gate.create(
       max_stages=s_max, table=config_lib.calibration_table(config, drafter=drafter),
       stage_cost=stage, verify_cost=[cost_at[w] for w in widths])
