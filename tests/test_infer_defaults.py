@@ -226,6 +226,8 @@ def test_decoding_flags_parse_into_the_config_and_name_its_defaults(capsys):
   assert got == DecodingConfig(mode="sd", lookup="off", allow_inexact=True, fixed_width=0,
                                sampling=DecodingConfig().sampling.__class__(temperature=0.7,
                                                                             top_k=5))
+  assert flags.config(_parse(["--gate", "auto"])).gate == "auto"
+  assert flags.config(_parse(["--gate", "-2"])).gate == -2.0
   with pytest.raises(SystemExit):
     _parse(["--help"])
   text = " ".join(capsys.readouterr().out.split())
