@@ -63,7 +63,8 @@ def bench(tmp_path_factory):
        "--categories", "math",
        "--prompts-per-category", "2", "--max-new-tokens", str(MAX_NEW), "--modes", "dloop",
        "--weights", "f32", "--fixed-widths", "",
-       "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf", "--sweep-max-stages=3",
+       "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf,auto",
+       "--sweep-max-stages=3",
        "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,14 +95,21 @@ def test_benchmark_writes_results_table_and_plots(bench):
         row["modeled_tokens_per_step"] / ar["modeled_tokens_per_step"]), method
   sweep = result["sweep"]
   inf = float("inf")
-  assert {(p["gate"], p["max_stages"]) for p in sweep} == {(-inf, 3), (inf, 3)}
+  # gate="auto" (the shipped drafter's calibration) with this machine's costs and the gpu
+  # profile's.
+  assert sorted((str(p["gate"]), p["max_stages"], p["costs"]) for p in sweep) == [
+      ("-inf", 3, "this machine"), ("auto", 3, "gpu profile"), ("auto", 3, "this machine"),
+      ("inf", 3, "this machine")]
   for point in sweep:
+    assert point["lossless_vs_ar"] == point["prompts"], point  # identical, or after a near-tie
     # g = -inf drafts S_max stages every round but the lookup's (one stage: the sweep
     # runs the default lookup stage), g = +inf one (sd's rounds).
     if point["gate"] == -inf:
       assert 1.0 < point["stages_per_round"] <= 3.0, point
-    else:
+    elif point["gate"] == inf:
       assert point["stages_per_round"] == 1.0, point
+    else:
+      assert 1.0 <= point["stages_per_round"] <= 3.0, point
   for name in ("results.md", "speedup.png", "gate_sweep.png"):
     assert (out / name).stat().st_size > 0
   assert not (out / "trees.png").exists()  # chains only: no tree plot

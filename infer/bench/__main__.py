@@ -655,6 +655,7 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
         point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(recs),
                      costs=costs_name,
                      identical_to_ar=sum(bool(r["identical_to_ar"]) for r in recs),
+                     lossless_vs_ar=sum(bool(r["lossless_vs_ar"]) for r in recs),
                      **{k: row[k] for k in ("tokens_per_second", "speedup_vs_ar",
                                             "modeled_speedup", "acceptance_length",
                                             "stages_per_round", "multi_stage_fraction")})
