@@ -98,8 +98,8 @@ def main(argv=None) -> int:
   from dloop_jax.decoding import config as config_lib
   from dloop_jax.decoding import flags
   from dloop_jax.decoding import generate
-  from dloop_jax.errors import DLoopError
-  from dloop_jax.models.registry import load_target
+  from dloop_jax.errors import DLoopError, PromptTooLongError
+  from dloop_jax.models.registry import load_target, read_config
 
   try:
     # The options alone first: a bad value fails before the target loads.
@@ -110,6 +110,12 @@ def main(argv=None) -> int:
       prompts = prompt_files.read_prompts(args.prompts_file)
     else:
       prompts = [args.prompt or "What is the capital of France?"]
+    # The limit against the context window, from the target's metadata: before the load.
+    context = read_config(args.target).max_position_embeddings
+    if args.max_new_tokens >= context:
+      raise PromptTooLongError(
+          f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the context"
+          f" window of {context} tokens of {args.target}; ask for fewer new tokens.")
     mesh = None
     if args.mesh:
       from dloop_jax.models import sharding  # pylint: disable=g-import-not-at-top

@@ -217,6 +217,25 @@ def test_a_bad_decoding_flag_is_named_before_anything_loads(capsys):
     flags.check(DecodingConfig(mode="sd", lookup_min_match=0))
 
 
+@pytest.mark.real_model
+def test_a_limit_past_the_context_window_fails_before_the_target_loads(capsys, monkeypatch):
+  """The target's config is read from its metadata (no weights) and the limit checked first."""
+  from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
+  import infer.__main__ as infer_main  # pylint: disable=g-import-not-at-top
+
+  def no_load(*args, **kwargs):
+    raise AssertionError("the target was loaded")
+
+  monkeypatch.setattr(registry, "load_target", no_load)
+  config = registry.read_config("smollm2-135m-instruct")
+  assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+  context = config.max_position_embeddings
+  assert infer_main.main(["--max-new-tokens", str(context), "--mode", "ar"]) == 2
+  err = capsys.readouterr().err
+  assert f"--max-new-tokens {context} leaves no room for a prompt in the context window of" \
+      f" {context} tokens of smollm2-135m-instruct" in err
+
+
 def test_decoding_flags_parse_into_the_config_and_name_its_defaults(capsys):
   from dloop_jax.decoding import DecodingConfig  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top

@@ -163,6 +163,40 @@ def precision(dtype: str | Any | None = None, weights: str | Any | None = None):
   return compute, stored
 
 
+def _source(source: str | os.PathLike) -> tuple[str, str]:
+  """(name, path) of a registry name, a .gguf file or an HF directory; ModelLoadError else."""
+  text = os.fspath(source)
+  if text in REGISTRY:
+    return text, registry_path(text)
+  if os.path.isdir(text):
+    return os.path.basename(os.path.normpath(text)), text
+  if os.path.isfile(text):
+    return os.path.splitext(os.path.basename(text))[0], text
+  if text.endswith(".gguf"):
+    raise ModelLoadError(f"GGUF file {text!r} does not exist.")
+  raise ModelLoadError(
+      f"{text!r} is neither a registered model ({', '.join(sorted(REGISTRY))}) nor an existing"
+      " .gguf file or Hugging Face checkpoint directory.")
+
+
+def read_config(source: str | os.PathLike = DEFAULT_TARGET) -> TransformerConfig:
+  """The `TransformerConfig` of a target `load_target` would load, from its metadata alone
+  (a GGUF's header, an HF directory's config.json): a command checks its arguments against
+  the context window before it loads any weight.
+
+  Raises:
+    ModelLoadError / ConfigError: as `load_target`.
+  """
+  # pylint: disable=g-import-not-at-top
+  from dloop_jax.models.gguf_loader import config_from_gguf, open_gguf
+  from dloop_jax.models.hf_loader import read_hf_config
+  # pylint: enable=g-import-not-at-top
+  name, path = _source(source)
+  if os.path.isdir(path):
+    return TransformerConfig.from_hf_config(read_hf_config(path), name=name)
+  return config_from_gguf(open_gguf(path), name=name)
+
+
 def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
                 weights: str | Any | None = None, mesh=None,
                 profile: str | None = None) -> LoadedTarget:
@@ -203,20 +237,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, *, dtype=None,
 
   resolved = profiles.resolve(profile)
   dtype, stored = precision(*profiles.precision(resolved, dtype=dtype, weights=weights))
-  text = os.fspath(source)
-  if text in REGISTRY:
-    name, path = text, registry_path(text)
-  elif os.path.isdir(text):
-    name, path = os.path.basename(os.path.normpath(text)), text
-  elif os.path.isfile(text):
-    name, path = os.path.splitext(os.path.basename(text))[0], text
-  elif text.endswith(".gguf"):
-    raise ModelLoadError(f"GGUF file {text!r} does not exist.")
-  else:
-    raise ModelLoadError(
-        f"{text!r} is neither a registered model ({', '.join(sorted(REGISTRY))}) nor an existing"
-        " .gguf file or Hugging Face checkpoint directory.")
-
+  name, path = _source(source)
   if os.path.isdir(path):
     config, params = load_hf_dir(path, dtype=dtype, name=name)
     tokenizer = (Tokenizer.from_hf_dir(path, extra_stop_token_ids=config.eos_token_ids)
