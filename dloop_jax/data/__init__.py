@@ -7,19 +7,37 @@
 
 Build both from the command line with `python -m train.data --config
 configs/data_<name>.py` (see docs/data.md).
+
+The names below load on first use: the benchmark's prompt sets
+(`dloop_jax.data.bench_prompts`) import neither Grain nor TFDS.
 """
 
-from dloop_jax.data.pipeline import (BATCH_KEYS, build_target_responses, check_dataset_matches,
-                                     dataset_metadata, make_dataset, make_train_iterator,
-                                     resolve_dataset_dir)
-from dloop_jax.data.sharegpt import Sharegpt, ShareGPTConfig, build_sharegpt, heldout_prompts
-from dloop_jax.data.target_responses import (BuildResult, TargetResponses, TargetResponsesConfig,
-                                             make_config)
-from dloop_jax.data.tfds_utils import default_data_dir
+from __future__ import annotations
 
-__all__ = [
-    "BATCH_KEYS", "BuildResult", "ShareGPTConfig", "Sharegpt", "TargetResponses",
-    "TargetResponsesConfig", "build_sharegpt", "build_target_responses", "check_dataset_matches",
-    "dataset_metadata", "default_data_dir", "heldout_prompts", "make_config", "make_dataset",
-    "make_train_iterator", "resolve_dataset_dir",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    **dict.fromkeys(("BATCH_KEYS", "build_target_responses", "check_dataset_matches",
+                     "dataset_metadata", "make_dataset", "make_train_iterator",
+                     "resolve_dataset_dir"), "dloop_jax.data.pipeline"),
+    **dict.fromkeys(("Sharegpt", "ShareGPTConfig", "build_sharegpt", "heldout_prompts"),
+                    "dloop_jax.data.sharegpt"),
+    **dict.fromkeys(("BuildResult", "TargetResponses", "TargetResponsesConfig", "make_config"),
+                    "dloop_jax.data.target_responses"),
+    "default_data_dir": "dloop_jax.data.tfds_utils",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'dloop_jax.data' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
