@@ -14,8 +14,7 @@ The names below load on first use, so importing a submodule (`dloop_jax.errors`,
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dloop_jax import lazy_exports
 
 _EXPORTS = {
     "load_target": "dloop_jax.models.registry",
@@ -32,15 +31,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-  if name not in _EXPORTS:
-    raise AttributeError(f"module 'dloop_jax' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_EXPORTS[name]), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports.attach(__name__, _EXPORTS)

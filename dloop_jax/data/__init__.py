@@ -14,8 +14,7 @@ The names below load on first use: the benchmark's prompt sets
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dloop_jax import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(("BATCH_KEYS", "build_target_responses", "check_dataset_matches",
@@ -29,15 +28,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-  if name not in _EXPORTS:
-    raise AttributeError(f"module 'dloop_jax.data' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_EXPORTS[name]), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports.attach(__name__, _EXPORTS)
