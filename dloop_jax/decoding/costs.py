@@ -464,7 +464,19 @@ def default_table(profile) -> CostTable:
 
 def resolve(value, *, target, batch_size: int, widths: Sequence[int],
             profile=None) -> np.ndarray:
-  """Costs [len(widths)] f32 at the compiled widths, from `generate()`'s `costs` argument.
+  """Costs [len(widths)] f32 at the compiled widths (`resolve_table`)."""
+  return resolve_table(value, target=target, batch_size=batch_size, widths=widths,
+                       profile=profile).at(widths)
+
+
+def is_assumed(table: CostTable) -> bool:
+  """Whether `table` is a profile's default (`DEFAULT_TABLES`), not a measurement here."""
+  return "default" in (table.key or {})
+
+
+def resolve_table(value, *, target, batch_size: int, widths: Sequence[int],
+                  profile=None) -> CostTable:
+  """The cost table of `generate()`'s `costs` argument.
 
   None: the file named by $DLOOP_COSTS, else the table cached for this target
   on this machine (`python -m infer.costs`, or `costs="calibrate"` once), else
@@ -489,4 +501,4 @@ def resolve(value, *, target, batch_size: int, widths: Sequence[int],
     table = for_target(target, batch_size=batch_size, widths=widths)
   else:
     table = as_table(value)
-  return table.at(widths)
+  return table

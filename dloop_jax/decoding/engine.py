@@ -670,7 +670,8 @@ def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
   """The gate's traced settings: dloop's threshold, or the calibrated rule with this
   machine's costs (the forward verifying s stages' drafts, s = 0..S_max, and a drafting
   stage, `costs.draft_stage_fraction` of a one-token forward: measured here when cached,
-  measured now with costs="calibrate", else modeled)."""
+  measured now with costs="calibrate", else modeled; modeled with a profile's default
+  table, which stands for another machine)."""
   s_max = static.max_stages
   if static.mode != "dloop" or config.gate != arguments.AUTO_GATE:
     threshold = config.gate if static.mode == "dloop" else 0.0
@@ -678,12 +679,18 @@ def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
   per_stage = static.tree_budget or static.block_size
   widths = [static.fixed_width or 1 + n * per_stage for n in range(s_max + 1)]
   table_widths = sorted(set(widths) | {1})
-  measured = costs_lib.resolve(config.costs, target=target, batch_size=batch_size,
-                               widths=table_widths, profile=config.profile)
-  cost_at = dict(zip(table_widths, (float(c) for c in measured)))
-  stage = cost_at[1] * costs_lib.draft_stage_fraction(
-      drafter, target, block_size=static.block_size, batch_size=batch_size,
-      measure=isinstance(config.costs, str) and config.costs == costs_lib.CALIBRATE)
+  table = costs_lib.resolve_table(config.costs, target=target, batch_size=batch_size,
+                                  widths=table_widths, profile=config.profile)
+  cost_at = dict(zip(table_widths, (float(c) for c in table.at(table_widths))))
+  if costs_lib.is_assumed(table):
+    # A profile's table stands for another machine: so does the modeled stage.
+    fraction = costs_lib.modeled_draft_stage_fraction(drafter, target,
+                                                      block_size=static.block_size)
+  else:
+    fraction = costs_lib.draft_stage_fraction(
+        drafter, target, block_size=static.block_size, batch_size=batch_size,
+        measure=isinstance(config.costs, str) and config.costs == costs_lib.CALIBRATE)
+  stage = cost_at[1] * fraction
   return gate_lib.Gate.create(
       max_stages=s_max, table=config_lib.calibration_table(config, drafter=drafter),
       stage_cost=stage, verify_cost=[cost_at[w] for w in widths])
