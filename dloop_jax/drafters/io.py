@@ -4,7 +4,11 @@ An export is a directory:
 
     drafter.json   format version, drafter kind / name / config, taps, block
                    size, the target it belongs to (name + fingerprint),
-                   training metrics, and the name, shape and dtype of every array
+                   training metrics, the name, shape and dtype of every array,
+                   and optionally "calibration": {score: table}, what its
+                   stages yield by their score (`decoding.calibration`,
+                   measured by `python -m train.calibrate`), which
+                   `load_drafter` attaches to the drafter
     arrays/        Orbax checkpoint {"params": {name: array}, "model_state": {...}}
                    trainable weights (nnx.Param) stored in bfloat16, other
                    non-frozen variables (e.g. vocabulary maps) as they are;
@@ -41,6 +45,7 @@ from flax import nnx
 
 from dloop_jax import flat_state
 from dloop_jax import plain_values
+from dloop_jax.decoding import calibration as calibration_lib
 from dloop_jax.drafters import hf_format
 from dloop_jax.drafters import registry
 from dloop_jax.drafters import variables as variables_lib
@@ -109,7 +114,9 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
                    metrics: Mapping[str, Any] | None = None,
                    extra: Mapping[str, Any] | None = None,
                    format: str = "dloop",  # pylint: disable=redefined-builtin
-                   weights: str = "bfloat16") -> str:
+                   weights: str = "bfloat16",
+                   calibration: Mapping[str, calibration_lib.Calibration] | None = None
+                   ) -> str:
   """Writes `drafter` (weights + config + its target's identity) to `path`.
 
   Every process must call it (the array write is collective); only process 0
@@ -128,6 +135,8 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
     weights: "bfloat16" or "int8" (matrices as int8 groups of `INT8_GROUP`
       values with a float32 scale each, about half the bytes; read back as
       bfloat16). "dloop" format only.
+    calibration: {score: table} stored with it (`decoding.calibration`);
+      "dloop" format only (the Hugging Face layouts have no place for it).
 
   Returns:
     The export directory.
@@ -190,6 +199,7 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
       **({"scales": describe(flat_scales), "int8_group": INT8_GROUP} if flat_scales else {}),
       "metrics": plain_values.to_plain(dict(metrics or {})),
       **({"extra": plain_values.to_plain(dict(extra))} if extra else {}),
+      **({"calibration": _calibration_json(calibration)} if calibration else {}),
   }
   if jax.process_index() == 0:
     tmp = info_path + ".tmp"
@@ -197,6 +207,40 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
       json.dump(info, f, indent=1, sort_keys=True)
     os.replace(tmp, info_path)
   return path
+
+
+def _calibration_json(tables: Mapping[str, calibration_lib.Calibration]) -> dict[str, Any]:
+  return {name: table.to_json() for name, table in tables.items()}
+
+
+def write_calibration(name_or_path: str | os.PathLike,
+                      tables: Mapping[str, calibration_lib.Calibration]) -> str:
+  """Stores `tables` ({score: table}) as the "calibration" of an export's `drafter.json`.
+
+  The rest of the file is kept; it is replaced atomically. Returns its path.
+  """
+  if is_hf_dir(name_or_path):
+    raise ConfigError(f"{os.fspath(name_or_path)} is a Hugging Face drafter directory: it has"
+                      f" no {INFO_FILE} to store a calibration in; export it first.")
+  path = resolve(name_or_path)
+  info = read_info(path)
+  info["calibration"] = _calibration_json(tables)
+  info_path = os.path.join(path, INFO_FILE)
+  tmp = info_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(info, f, indent=1, sort_keys=True)
+  os.replace(tmp, info_path)
+  return info_path
+
+
+def read_calibration(info: Mapping[str, Any], *, source: str
+                     ) -> dict[str, calibration_lib.Calibration]:
+  """{score: table} of an export's `drafter.json` ({} when it has none)."""
+  try:
+    return calibration_lib.tables_from_json(info.get("calibration"))
+  except ConfigError as e:
+    raise ConfigError(f"{source}: malformed \"calibration\" entry: {e} Measure it again"
+                      " (python -m train.calibrate --write) or remove the entry.") from None
 
 
 def shipped_drafters() -> list[str]:
@@ -324,6 +368,7 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
 
   Raises:
     ModelLoadError: missing, incomplete or corrupt export.
+    ConfigError: a malformed calibration table in its `drafter.json`.
     DrafterMismatchError: it was trained for another target.
     CheckpointFormatError: a Hugging Face layout our drafters cannot represent.
   """
@@ -337,6 +382,7 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
   path = resolve(name_or_path)
   info = read_info(path)
   check_target(info, target.config, source=path)
+  tables = read_calibration(info, source=os.path.join(path, INFO_FILE))
   params_values, model_values = read_arrays(path, info)
   drafter = registry.build_for_loading(info["drafter_config"], target=target, rngs=rngs)
   _, params, _, _, model_state = variables_lib.split_drafter(drafter)
@@ -348,4 +394,6 @@ def load_drafter(name_or_path: str | os.PathLike, *, target: Any,
                                              what="Variables", source=path))
   if hasattr(drafter, "check_target"):
     drafter.check_target(target.config)
+  if tables:
+    calibration_lib.attach(drafter, tables)
   return drafter
