@@ -27,6 +27,7 @@ from dloop_jax.drafters import DominoDrafter, DSparkDrafter, Frozen, build_draft
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.transformer import tiny_target
+from dloop_jax.training import hooks as hooks_lib
 from dloop_jax.training import objectives
 from dloop_jax.training import trainer as trainer_lib
 from lossless import assert_same_or_near_tie
@@ -292,7 +293,7 @@ def test_trainer_trains_the_tiny_config(kind, tmp_path, monkeypatch):
     assert result.metrics["base_weight"] == 0.0
   else:
     assert 0 < result.metrics["confidence_mean"] < 1
-  target = trainer_lib.default_build_target(c.target).model
+  target = hooks_lib.default_build_target(c.target).model
   loaded = drafter_io.load_drafter(result.export_dir, target=target)
   assert loaded.drafter_config()["kind"] == c.drafter.kind
   out = generate(target, [[1, 2, 3]], max_new_tokens=8, mode="dloop", drafter=loaded,

@@ -189,16 +189,16 @@ def test_trainer_forms_packed_rows_from_a_dataset_path(dataset, tmp_path):
   """`data.options.pack` reaches the pipeline for built datasets; tiny-build keys are refused."""
   from ml_collections import ConfigDict  # pylint: disable=g-import-not-at-top
   from dloop_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
-  from dloop_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import hooks as hooks_lib  # pylint: disable=g-import-not-at-top
   out_dir, _ = dataset
   c = config_lib.base_config()
   c.data.source, c.data.path, c.data.seq_len = "path", out_dir, SEQ_LEN
   c.data.options = ConfigDict(dict(pack=True))
   hook = dict(target=None, drafter=None, workdir=str(tmp_path), batch_size=4, shard_index=0,
               shard_count=1)
-  batch = next(trainer_lib.default_make_iterator(c, **hook)[0])
+  batch = next(hooks_lib.default_make_iterator(c, **hook)[0])
   # Examples of 5..20 tokens in rows of 40: packing puts several in a row.
   assert batch["segment_ids"].max() >= 2
   c.data.options = ConfigDict(dict(pack=True, random_prompt_max_len=8))
   with pytest.raises(ConfigError, match=r"\['random_prompt_max_len'\] only configure the tiny"):
-    trainer_lib.default_make_iterator(c, **hook)
+    hooks_lib.default_make_iterator(c, **hook)

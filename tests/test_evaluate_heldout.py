@@ -8,6 +8,8 @@ import os
 import pytest
 
 import trainer_hooks
+from dloop_jax.training import hooks as hooks_lib
+from dloop_jax.training import metrics_writer
 from dloop_jax.training import trainer as trainer_lib
 from train import evaluate
 
@@ -21,14 +23,14 @@ def test_heldout_metric_beside_engine_tau(tmp_path, monkeypatch, capsys):
   c.progress_bar, c.tensorboard = False, False
   workdir = str(tmp_path / "run")
   trainer_lib.train(c, workdir)
-  with open(os.path.join(workdir, trainer_lib.METRICS_FILE)) as f:
+  with open(os.path.join(workdir, metrics_writer.METRICS_FILE)) as f:
     logged = [m for m in map(json.loads, f) if "heldout_tau" in m][-1]
 
   args = evaluate._parse([  # pylint: disable=protected-access
       "--drafters", workdir, "--prompts", "random", "--prompts-per-category", "2",
       "--max-new-tokens", "6", "--modes", "sd", "--heldout-data", os.path.join(workdir, "data"),
       "--heldout-examples", "8", "--heldout-config", "configs/tiny_block.py"])
-  target = trainer_lib.default_build_target(c.target)
+  target = hooks_lib.default_build_target(c.target)
   (row,) = evaluate.evaluate(args, target=target)
   # The same drafts on the same never-trained-on examples as the run's own evaluation.
   for key in ("heldout_tau", "heldout_tau_se", "heldout_acc_1", "heldout_acc_4_se"):

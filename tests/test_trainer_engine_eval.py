@@ -14,6 +14,9 @@ from dloop_jax.drafters import io as drafter_io
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import config as config_lib
 from dloop_jax.training import engine_eval
+from dloop_jax.training import evaluation
+from dloop_jax.training import hooks as hooks_lib
+from dloop_jax.training import metrics_writer
 from dloop_jax.training import trainer as trainer_lib
 
 
@@ -29,7 +32,7 @@ def _config(**overrides) -> ConfigDict:
 
 
 def _evaluations(workdir: str) -> dict[int, dict]:
-  with open(os.path.join(workdir, trainer_lib.METRICS_FILE)) as f:
+  with open(os.path.join(workdir, metrics_writer.METRICS_FILE)) as f:
     lines = [json.loads(line) for line in f]
   return {r["step"]: r for r in lines if "engine_tau_sd" in r}
 
@@ -39,7 +42,7 @@ def run(tmp_path_factory):
   """Four steps evaluated every two, then resumed to eight."""
   workdir = str(tmp_path_factory.mktemp("engine_eval"))
   first = trainer_lib.train(_config(num_steps=4, export__enabled=False), workdir)
-  first_best = drafter_io.read_info(os.path.join(workdir, trainer_lib.BEST_DIR))
+  first_best = drafter_io.read_info(os.path.join(workdir, evaluation.BEST_DIR))
   second = trainer_lib.train(_config(num_steps=8), workdir)
   return workdir, first, first_best, second
 
@@ -62,18 +65,18 @@ def test_best_step_is_exported_and_survives_a_resume(run):
   tau = {step: r["engine_tau_sd"] for step, r in evals.items()}
   best_early = max((2, 4), key=lambda s: (tau[s], -s))  # the first of equal scores is kept
   assert first_best["extra"]["step"] == best_early
-  info = drafter_io.read_info(os.path.join(workdir, trainer_lib.BEST_DIR))
+  info = drafter_io.read_info(os.path.join(workdir, evaluation.BEST_DIR))
   best = max(sorted(tau), key=lambda s: (tau[s], -s))
   assert info["extra"]["step"] == best
   assert info["metrics"]["engine_tau_sd"] == tau[best]
-  target = trainer_lib.default_build_target(_config().target).model
-  assert drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+  target = hooks_lib.default_build_target(_config().target).model
+  assert drafter_io.load_drafter(os.path.join(workdir, evaluation.BEST_DIR), target=target)
 
 
 def test_multi_stage_share_follows_the_gate(run):
   workdir, *_ = run
-  target = trainer_lib.default_build_target(_config().target).model
-  drafter = drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+  target = hooks_lib.default_build_target(_config().target).model
+  drafter = drafter_io.load_drafter(os.path.join(workdir, evaluation.BEST_DIR), target=target)
   prompts = ((5, 9, 11, 3), (7, 2, 30, 8, 1))
   share = {gate: engine_eval.EngineEval(
       prompts=prompts, max_new_tokens=12, modes=("dloop",),
@@ -87,8 +90,8 @@ def test_multi_stage_share_follows_the_gate(run):
 def test_dloop_shape_fixed_width_schedule_and_lookup_reach_generate(run):
   from dloop_jax.decoding import generate  # pylint: disable=g-import-not-at-top
   workdir, *_ = run
-  target = trainer_lib.default_build_target(_config().target).model
-  drafter = drafter_io.load_drafter(os.path.join(workdir, trainer_lib.BEST_DIR), target=target)
+  target = hooks_lib.default_build_target(_config().target).model
+  drafter = drafter_io.load_drafter(os.path.join(workdir, evaluation.BEST_DIR), target=target)
   prompts = ((5, 9, 11, 3), (7, 2, 30, 8, 1))
   ev = engine_eval.EngineEval(prompts=prompts, max_new_tokens=12,
                               decoding=engine_eval.decoding(dict(
@@ -187,7 +190,7 @@ def test_bad_eval_settings_are_refused():
 
 def test_throughput_counts_example_tokens_apart_from_padding(run):
   workdir, *_ = run
-  with open(os.path.join(workdir, trainer_lib.METRICS_FILE)) as f:
+  with open(os.path.join(workdir, metrics_writer.METRICS_FILE)) as f:
     logged = [r for r in map(json.loads, f) if "tokens_per_s" in r]
   assert logged
   for r in logged:
@@ -204,7 +207,7 @@ def test_patience_stops_a_run_that_stopped_improving_and_it_stays_stopped(tmp_pa
   result = trainer_lib.train(c, workdir)
   assert result.stopped_early and result.step == 6, result.step
   assert sorted(_evaluations(workdir)) == [2, 4, 6]
-  assert drafter_io.read_info(os.path.join(workdir, trainer_lib.BEST_DIR))["extra"]["step"] == 2
+  assert drafter_io.read_info(os.path.join(workdir, evaluation.BEST_DIR))["extra"]["step"] == 2
   again = trainer_lib.train(c, workdir)
   assert again.stopped_early and again.step == 6 and again.resumed_from == 6
   assert sorted(_evaluations(workdir)) == [2, 4, 6]

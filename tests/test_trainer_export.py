@@ -18,6 +18,7 @@ from dloop_jax.drafters import registry
 from dloop_jax.drafters import variables
 from dloop_jax.errors import ConfigError, DrafterMismatchError, ModelLoadError
 from dloop_jax.models.transformer import tiny_target
+from dloop_jax.recorded_paths import recorded_path
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import trainer as trainer_lib
 
@@ -76,9 +77,9 @@ def test_export_files_carry_no_machine_path(run):
 
 def test_recorded_paths_carry_no_machine_paths(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert trainer_lib.recorded_path(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")
-  assert trainer_lib.recorded_path("runs/a/") == os.path.join("runs", "a")
-  assert trainer_lib.recorded_path("/elsewhere/x/runs/b") == "runs/b"
+  assert recorded_path(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")
+  assert recorded_path("runs/a/") == os.path.join("runs", "a")
+  assert recorded_path("/elsewhere/x/runs/b") == "runs/b"
   from dloop_jax.recorded_paths import recorded_name  # pylint: disable=g-import-not-at-top
   assert recorded_name("smollm2-135m-instruct-block") == "smollm2-135m-instruct-block"
   assert recorded_name("/elsewhere/x/runs/b") == "runs/b"

@@ -19,6 +19,7 @@ from ml_collections import ConfigDict
 import trainer_hooks
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.transformer import f32_dot_general
+from dloop_jax.training import sharding
 from dloop_jax.training import trainer as trainer_lib
 
 DRAFTERS = {
@@ -72,7 +73,7 @@ def test_bfloat16_compute_keeps_float32_weights_and_follows_the_float32_step(kin
 
 def test_bfloat16_step_multiplies_bfloat16_operands(tmp_path):
   trainer, batch = _trainer("eagle3", "bfloat16", str(tmp_path))
-  placed = trainer_lib.sharding_lib.put_batch(batch, trainer.mesh)
+  placed = sharding.put_batch(batch, trainer.mesh)
   fn = trainer._compiled_step(placed)  # pylint: disable=protected-access
   hlo = fn.lower(trainer.params, trainer.opt_state, trainer.frozen_for_step, trainer.model_state,
                  trainer.rng_state, None, placed, jnp.asarray(0, jnp.int32)).as_text()

@@ -20,6 +20,7 @@ from dloop_jax.data import pipeline
 from dloop_jax.drafters import io as drafter_io
 from dloop_jax.models.transformer import tiny_target
 from dloop_jax.training import checkpointing as ckpt_lib
+from dloop_jax.training import hooks as hooks_lib
 from dloop_jax.training import trainer as trainer_lib
 
 DRAFT_VOCAB = 16  # of the tiny target's 64
@@ -66,7 +67,7 @@ def run(tmp_path_factory):
   """Two steps from scratch, then resumed (and exported) without counting again."""
   workdir = str(tmp_path_factory.mktemp("vocab"))
   first = trainer_lib.train(_config(num_steps=2, export__enabled=False), workdir)
-  hooks = dataclasses.replace(trainer_lib.default_hooks(), token_counts=_no_counting)
+  hooks = dataclasses.replace(hooks_lib.default_hooks(), token_counts=_no_counting)
   second = trainer_lib.train(_config(num_steps=2), workdir, hooks=hooks)
   return workdir, first, second, _expected_d2t(os.path.join(workdir, "data"))
 

@@ -29,7 +29,7 @@ from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.drafters import base as base_lib
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import default_taps
-from dloop_jax.training import trainer as trainer_lib
+from dloop_jax.training import hooks as hooks_lib
 
 
 class _StandinFrozen(nnx.Variable):
@@ -177,6 +177,6 @@ def check_dataset(info, *, drafter, target):
                       f" trains for {target.name!r}.")
 
 
-HOOKS = trainer_lib.TrainHooks(
-    build_target=trainer_lib.default_build_target, build_drafter=build_drafter,
+HOOKS = hooks_lib.TrainHooks(
+    build_target=hooks_lib.default_build_target, build_drafter=build_drafter,
     loss_fn=loss_fn, make_iterator=make_iterator, check_dataset=check_dataset)

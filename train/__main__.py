@@ -131,11 +131,12 @@ def main(argv: Sequence[str]) -> None:
     handler.addFilter(_QuietLibraries())
   # Local imports: jax must not be initialized before jax.distributed.
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training import distributed  # pylint: disable=g-import-not-at-top
   from dloop_jax.training import trainer  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
   try:
-    trainer.maybe_initialize_distributed(
+    distributed.initialize(
         config.distributed, coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
     result = trainer.train(config, _WORKDIR.value)

@@ -173,7 +173,7 @@ def heldout_metrics(source: str, *, target, data: str, examples: int, config=Non
 
   Args:
     source: a shipped drafter name, an export directory or a training workdir.
-    target: the `trainer.Target` it drafts for.
+    target: the `hooks.Target` it drafts for.
     data: a dataset directory (`python -m train.data`) holding the drafter's taps.
     examples: how many of the training split's last examples are held out, as
       `data.heldout_examples` of the run.
@@ -190,6 +190,7 @@ def heldout_metrics(source: str, *, target, data: str, examples: int, config=Non
   from ml_collections import ConfigDict
   from dloop_jax.drafters import io as drafter_io
   from dloop_jax.training import config as config_lib
+  from dloop_jax.training import hooks as hooks_lib
   from dloop_jax.training import trainer as trainer_lib
   # pylint: enable=g-import-not-at-top
   export = drafter_io.resolve(source)
@@ -204,17 +205,17 @@ def heldout_metrics(source: str, *, target, data: str, examples: int, config=Non
   c.data.source, c.data.path, c.data.online = "path", data, False
   c.data.heldout_examples, c.data.batch_size = int(examples), int(batch_size)
   c.eval.every_steps, c.eval.heldout_every_steps = 0, 0
-  hooks = dataclasses.replace(trainer_lib.default_hooks(), build_target=lambda _: target)
+  hooks = dataclasses.replace(hooks_lib.default_hooks(), build_target=lambda _: target)
   trainer = trainer_lib.Trainer(c, hooks=hooks)
   trainer.init_from(export)
-  trainer_lib.default_check_dataset(data, drafter=trainer.drafter, target=target)
-  batches = trainer_lib.default_heldout_batches(c, data_info=data, batch_size=int(batch_size),
-                                                shard_index=0, shard_count=1)
+  hooks_lib.default_check_dataset(data, drafter=trainer.drafter, target=target)
+  batches = hooks_lib.default_heldout_batches(c, data_info=data, batch_size=int(batch_size),
+                                              shard_index=0, shard_count=1)
   return trainer.heldout_metrics(batches)
 
 
 def evaluate(args: argparse.Namespace, *, target) -> list[dict]:
-  """The rows of `args.drafters` (and their heads off) for `target` (a `trainer.Target`)."""
+  """The rows of `args.drafters` (and their heads off) for `target` (a `hooks.Target`)."""
   # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import flags
   from dloop_jax.drafters import ablation
@@ -276,7 +277,7 @@ def main(argv=None) -> int:
   # Heavy imports after the arguments are checked.
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
-  from dloop_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.training.hooks import Target  # pylint: disable=g-import-not-at-top
 
   try:
     if args.engine and args.prompts not in ("bench", "random"):
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
       from dloop_jax import prompt_files  # pylint: disable=g-import-not-at-top
       prompt_files.read_prompts(args.prompts)
     loaded = load_target(args.target, weights=args.weights)
-    target = trainer_lib.Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
+    target = Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
     rows = evaluate(args, target=target)
   except (DLoopError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -850,3 +850,10 @@ class Transformer(nnx.Module):
 def tiny_target(*, seed: int = 0, init_std: float = 0.3, **overrides) -> Transformer:
   """A tiny random target with peaked next-token distributions (tests, tiny configs)."""
   return Transformer(tiny_config(**overrides), rngs=nnx.Rngs(seed), init_std=init_std)
+
+
+def tiny_target_name(*, seed: Any, init_std: Any, **overrides: Any) -> str:
+  """The name of `tiny_target(seed=..., init_std=..., **overrides)`: its weights depend on
+  seed, scale and shape, and a drafter or dataset made for one fits no other."""
+  extra = "".join(f",{k}={overrides[k]}" for k in sorted(overrides))
+  return f"tiny(seed={seed},init_std={init_std}{extra})"

@@ -16,6 +16,9 @@ For slurm, openmpi and tpu JAX fills in what is not given explicitly
 (`jax.distributed.initialize()` detects the cluster). `plan()` decides without
 touching JAX, so the decision is testable; `initialize()` acts on it and must
 run before anything touches a device.
+
+Once the processes run, `check_same_config()` refuses a run whose processes
+were started with different training configs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import glob
 import importlib.util
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from dloop_jax.errors import ConfigError
 
@@ -191,3 +195,28 @@ def initialize(mode: str = "auto", *, coordinator_address: str | None = None,
                launch.cluster, jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
   return launch
+
+
+def check_same_config(config: Mapping[str, Any]) -> None:
+  """Raises ConfigError unless every process of the run has this config.
+
+  Processes started with different settings would deadlock at the first
+  collective whose shapes differ, or silently train on mismatched steps.
+  """
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  from dloop_jax import plain_values  # pylint: disable=g-import-not-at-top
+
+  text = json.dumps(plain_values.to_plain(config), sort_keys=True, default=str)
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
+  differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+  if differ:
+    raise ConfigError(f"Processes {differ} were started with another training config than process"
+                      " 0: start every process with the same --config file and --config.*"
+                      " overrides (only --process_id differs).")

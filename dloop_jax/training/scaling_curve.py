@@ -29,7 +29,8 @@ import numpy as np
 
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import checkpointing
-from dloop_jax.training.trainer import CHECKPOINT_DIR, METRICS_FILE
+from dloop_jax.training.metrics_writer import METRICS_FILE
+from dloop_jax.training.trainer import CHECKPOINT_DIR
 
 TAU_KEY = "engine_tau_sd"
 

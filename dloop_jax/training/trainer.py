@@ -13,6 +13,10 @@ Flow of `train(config, workdir)`:
           state) -> metrics (JSONL, TensorBoard, progress bar) -> async save
     export <workdir>/export: the drafter alone, for `load_drafter`
 
+The pieces (target, drafter, loss, data) come from `hooks`; the metrics
+file, TensorBoard and progress bar from `metrics_writer`; the engine and
+held-out evaluations, with the best-drafter export, from `evaluation`.
+
 Determinism: update i uses the key `fold_in(key(seed), i)` and the i-th batch
 of the iterator, whose position is part of every checkpoint, so a run killed
 at any point and restarted reproduces the uninterrupted run.
@@ -21,15 +25,12 @@ at any point and restarted reproduces the uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
 import inspect
-import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -39,7 +40,6 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from dloop_jax import flat_state
 from dloop_jax import mesh as mesh_lib
@@ -52,238 +52,24 @@ from dloop_jax.recorded_paths import recorded_path
 from dloop_jax.training import checkpointing as ckpt_lib
 from dloop_jax.training import config as config_lib
 from dloop_jax.training import distributed as distributed_lib
-from dloop_jax.training import engine_eval as engine_eval_lib
+from dloop_jax.training import evaluation
 from dloop_jax.training import heldout as heldout_lib
 from dloop_jax.training import online as online_lib
 from dloop_jax.training import optim as optim_lib
 from dloop_jax.training import sharding as sharding_lib
+# BEST_DIR, METRICS_FILE, Target, TrainHooks, default_hooks and load_hooks are
+# defined with the pieces of a run, and importable from here too (`__all__`).
+from dloop_jax.training.evaluation import BEST_DIR
+from dloop_jax.training.hooks import (Target, TrainHooks, data_pipeline, default_hooks,
+                                      default_token_counts, library_function, load_hooks)
+from dloop_jax.training.metrics_writer import (METRICS_FILE, MetricsWriter, host_scalar,
+                                               progress_bar)
 
-METRICS_FILE = "metrics.jsonl"
+__all__ = ["BEST_DIR", "CHECKPOINT_DIR", "EXPORT_DIR", "METRICS_FILE", "Target", "TrainHooks",
+           "TrainResult", "Trainer", "default_hooks", "load_hooks", "train"]
+
 CHECKPOINT_DIR = "checkpoints"
 EXPORT_DIR = "export"
-BEST_DIR = "best"
-# `data.options` keys that shape the training rows, for every data source
-# (`dloop_jax.data.pipeline.make_dataset`).
-ITERATOR_OPTIONS = ("pack", "num_packing_bins")
-
-
-# --------------------------------------------------------------------- hooks
-@dataclasses.dataclass(frozen=True)
-class Target:
-  """The target a drafter is trained for."""
-
-  model: Any  # dloop_jax.models.transformer.Transformer
-  name: str
-  tokenizer: Any = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainHooks:
-  """How the pieces of a run are built (the defaults use the library's own).
-
-  Attributes:
-    build_target: `(target_config) -> Target`.
-    build_drafter: `(drafter_config: dict, *, target, rngs) -> Drafter`.
-    loss_fn: `(drafter, batch, key, *, objective, cfg[, progress]) -> (loss, metrics)`;
-      `progress` (fraction of training done, traced) is passed when it is a
-      parameter.
-    make_iterator: `(config, *, target: Target, drafter, workdir, batch_size,
-      shard_index, shard_count) -> (iterator, data_info)`; the iterator yields
-      dicts of numpy arrays with `batch_size` (per-process) rows and has
-      `get_state()` / `set_state()`.
-    check_dataset: `(data_info, *, drafter, target: Target) -> None`, raises
-      ConfigError when the data does not fit the drafter (other taps, target).
-    token_counts: `(data_info, *, vocab_size[, max_examples]) -> [vocab_size]
-      counts` of the training tokens the drafter predicts; a fresh drafter
-      with a reduced draft vocabulary uses the most frequent ones.
-      `max_examples` is passed when `data.max_examples` is set.
-    heldout_batches: `(config, *, data_info, batch_size, shard_index,
-      shard_count) -> [batch]` the held-out examples (`data.heldout_examples`),
-      one per row, each batch with "example" [rows] (-1: empty row); see
-      `pipeline.heldout_batches`.
-
-  With `data.online`, `check_dataset` is passed `online=True` when it takes
-  that parameter (the taps are then the target's, not the data's).
-  """
-
-  build_target: Callable[..., Target]
-  build_drafter: Callable[..., nnx.Module]
-  loss_fn: Callable[..., tuple[jax.Array, Mapping[str, jax.Array]]]
-  make_iterator: Callable[..., tuple[Iterator[Mapping[str, np.ndarray]], Any]]
-  check_dataset: Callable[..., None]
-  token_counts: Callable[..., np.ndarray] | None = None  # None: default_token_counts
-  heldout_batches: Callable[..., list] | None = None  # None: default_heldout_batches
-
-
-def tiny_target_name(target_config: Mapping[str, Any]) -> str:
-  """Identifies a tiny random target: its weights depend on seed, scale and shape."""
-  overrides = plain_values.to_plain(target_config.get("overrides") or {})
-  extra = "".join(f",{k}={overrides[k]}" for k in sorted(overrides))
-  return f"tiny(seed={target_config['seed']},init_std={target_config['init_std']}{extra})"
-
-
-def default_build_target(target_config: Mapping[str, Any]) -> Target:
-  from dloop_jax.models.config import tiny_config  # pylint: disable=g-import-not-at-top
-  from dloop_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
-
-  dtype = jnp.dtype(target_config["dtype"])
-  if target_config["model"] == "tiny":
-    overrides = plain_values.to_plain(target_config.get("overrides") or {})
-    model = Transformer(tiny_config(**overrides), rngs=nnx.Rngs(int(target_config["seed"])),
-                        dtype=dtype, init_std=float(target_config["init_std"]))
-    return Target(model=model, name=tiny_target_name(target_config))
-  from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
-  loaded = load_target(target_config["model"], dtype=dtype)
-  return Target(model=loaded.model, name=loaded.name, tokenizer=loaded.tokenizer)
-
-
-def _library(module: str, name: str) -> Callable:
-  try:
-    return getattr(importlib.import_module(module), name)
-  except (ImportError, AttributeError) as e:
-    raise ConfigError(f"{module}.{name} is not available ({e}); set config.hooks to a"
-                      " TrainHooks providing it.") from e
-
-
-def default_build_drafter(drafter_config, *, target, rngs):
-  return _library("dloop_jax.drafters", "build_drafter")(drafter_config, target=target,
-                                                         rngs=rngs)
-
-
-def default_loss_fn(drafter, batch, key, *, objective, cfg, progress=None):
-  return _library("dloop_jax.training.objectives", "loss_fn")(
-      drafter, batch, key, objective=objective, cfg=cfg, progress=progress)
-
-
-def _pipeline():
-  try:
-    from dloop_jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ConfigError(f"The data pipeline dloop_jax.data.pipeline cannot be imported ({e}); set"
-                      " config.hooks to a TrainHooks providing make_iterator.") from e
-  return pipeline
-
-
-def default_make_iterator(config, *, target: Target, drafter, workdir, batch_size,
-                          shard_index, shard_count):
-  """Grain iterator over a built dataset; tiny configs build theirs into the workdir.
-
-  Returns (iterator, dataset path); the path is what `check_dataset_matches` inspects.
-  """
-  pipeline = _pipeline()
-  d = config.data
-  options = plain_values.to_plain(d.options)
-  # How rows are formed (every source); the other keys configure the tiny build.
-  row_options = {k: options.pop(k) for k in ITERATOR_OPTIONS if k in options}
-  if d.source == "tiny_random":
-    path = os.path.join(workdir, "data")
-    if not os.path.exists(os.path.join(path, "COMPLETE")):
-      if jax.process_index() == 0:
-        # The tiny target answers random prompts; the features are its taps.
-        pipeline.build_target_responses(
-            target=target.model, target_name=target.name, taps=tuple(drafter.taps),
-            out_dir=path, num_examples=int(d.num_examples), seq_len=int(d.seq_len),
-            seed=int(d.shuffle_seed), **options)
-        with open(os.path.join(path, "COMPLETE"), "w") as f:
-          f.write("ok\n")
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("dloop_tiny_data")
-  elif d.source == "path":
-    if not d.path:
-      raise ConfigError("data.source='path' needs data.path: a dataset built with"
-                        " `python -m train.data`.")
-    path = d.path
-    if options:
-      raise ConfigError(f"data.options {sorted(options)} only configure the tiny_random build;"
-                        f" with data.source='path' the options are {list(ITERATOR_OPTIONS)}.")
-  else:
-    raise ConfigError(f"data.source must be 'tiny_random' or 'path', got {d.source!r}.")
-  iterator = pipeline.make_train_iterator(
-      path=path, batch_size=batch_size, seq_len=int(d.seq_len), seed=int(d.shuffle_seed),
-      shard_index=shard_index, shard_count=shard_count, worker_count=int(d.worker_count),
-      max_examples=int(d.max_examples), heldout_examples=int(d.heldout_examples),
-      features=not d.online, **row_options)
-  return iterator, path
-
-
-def default_check_dataset(data_info, *, drafter, target: Target, online: bool = False):
-  """Raises ConfigError unless the dataset fits; `online`: its tokens only (not its taps)."""
-  _pipeline().check_dataset_matches(data_info, taps=None if online else tuple(drafter.taps),
-                                    target_config=target.model.config,
-                                    target_name=None if online else target.name)
-
-
-def default_heldout_batches(config, *, data_info, batch_size: int, shard_index: int,
-                            shard_count: int) -> list[dict[str, np.ndarray]]:
-  """The run's held-out examples (`data.heldout_examples`) as padded batches."""
-  if not isinstance(data_info, (str, os.PathLike)):
-    raise ConfigError("data.heldout_examples needs the dataset's path from the data hook; it"
-                      f" returned {type(data_info).__name__}: set TrainHooks.heldout_batches.")
-  d = config.data
-  return _pipeline().heldout_batches(
-      path=data_info, seq_len=int(d.seq_len), batch_size=batch_size,
-      heldout_examples=int(d.heldout_examples), shard_index=shard_index,
-      shard_count=shard_count, features=not d.online)
-
-
-def default_token_counts(data_info, *, vocab_size: int, max_examples: int = 0) -> np.ndarray:
-  """Response-token counts of the training split of the dataset at `data_info` (a path).
-
-  `max_examples`: count the examples the run trains on (`data.max_examples`).
-  """
-  if not isinstance(data_info, (str, os.PathLike)):
-    raise ConfigError("A drafter with a reduced draft vocabulary needs the token counts of its"
-                      f" training data; the data hook returned {type(data_info).__name__}, not"
-                      " a dataset path: set TrainHooks.token_counts.")
-  return _pipeline().token_counts(data_info, vocab_size=vocab_size, max_examples=max_examples)
-
-
-def default_hooks() -> TrainHooks:
-  return TrainHooks(build_target=default_build_target, build_drafter=default_build_drafter,
-                    loss_fn=default_loss_fn, make_iterator=default_make_iterator,
-                    check_dataset=default_check_dataset, token_counts=default_token_counts)
-
-
-def load_hooks(spec: str) -> TrainHooks:
-  """`"package.module:attribute"` -> TrainHooks (or a function returning one)."""
-  if not spec:
-    return default_hooks()
-  module_name, _, attr = spec.partition(":")
-  try:
-    obj = getattr(importlib.import_module(module_name), attr or "HOOKS")
-  except (ImportError, AttributeError) as e:
-    raise ConfigError(f"config.hooks={spec!r} cannot be imported ({e}); expected"
-                      " 'package.module:attribute' of a TrainHooks.") from e
-  hooks = obj() if callable(obj) and not isinstance(obj, TrainHooks) else obj
-  if not isinstance(hooks, TrainHooks):
-    raise ConfigError(f"config.hooks={spec!r} is a {type(hooks).__name__}, not a TrainHooks.")
-  return hooks
-
-
-# -------------------------------------------------------------- distributed
-def maybe_initialize_distributed(mode: str, **explicit: Any) -> None:
-  """`jax.distributed.initialize()` for multi-process runs; see `distributed.plan`.
-
-  `explicit`: coordinator_address / num_processes / process_id (None: from the
-  environment). Must run before anything touches a device.
-  """
-  distributed_lib.initialize(mode, **explicit)
-
-
-def check_same_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError unless every process of the run has this config.
-
-  Processes started with different settings would deadlock at the first
-  collective whose shapes differ, or silently train on mismatched steps.
-  """
-  text = json.dumps(plain_values.to_plain(config), sort_keys=True, default=str)
-  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
-  every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
-  differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
-  if differ:
-    raise ConfigError(f"Processes {differ} were started with another training config than process"
-                      " 0: start every process with the same --config file and --config.*"
-                      " overrides (only --process_id differs).")
 
 
 # --------------------------------------------------------------- the state
@@ -312,14 +98,6 @@ def _place(values: Mapping[str, Any], shardings: Mapping[str, Any]) -> dict[str,
   return {k: jax.device_put(v, shardings[k], may_alias=False) for k, v in values.items()}
 
 
-def _scalar(x: Any) -> Any:
-  a = np.asarray(x)
-  if a.size == 1:
-    v = a.reshape(()).item()
-    return float(v) if isinstance(v, (float, np.floating)) or a.dtype.kind == "f" else v
-  return a.tolist()
-
-
 class Trainer:
   """One training run's state and jit-compiled step.
 
@@ -333,7 +111,7 @@ class Trainer:
                devices: list[jax.Device] | None = None):
     config_lib.validate(config)
     if jax.process_count() > 1:
-      check_same_config(config)
+      distributed_lib.check_same_config(config)
     self.config = config
     self.hooks = hooks or load_hooks(config.hooks)
     self.mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
@@ -395,7 +173,7 @@ class Trainer:
   def _online_target(self) -> online_lib.OnlineTarget:
     """The target's weights on the mesh for the online step, computing what the objective reads."""
     c = self.config
-    needs_fn = _library("dloop_jax.training.objectives", "target_needs")
+    needs_fn = library_function("dloop_jax.training.objectives", "target_needs")
     distribution, last_hidden = needs_fn(c.objective, c.objective_cfg, self.drafter)
     dtype = online_lib.resolve_dtype(c.data.online_dtype, target_dtype=c.target.dtype)
     needs = online_lib.Needs(taps=tuple(int(t) for t in self.drafter.taps),
@@ -605,7 +383,7 @@ class Trainer:
     last batch) count nowhere. The block drafters' anchors come from a key
     fixed per batch, so every evaluation of a run measures the same drafts.
     """
-    counts_fn = _library("dloop_jax.training.objectives", "teacher_forced_counts")
+    counts_fn = library_function("dloop_jax.training.objectives", "teacher_forced_counts")
     correct, counted = [], []
     for i, batch in enumerate(batches):
       placed = self._placed({k: v for k, v in batch.items() if k != "example"})
@@ -706,197 +484,6 @@ class Trainer:
                       " a drafter export.")
 
 
-# ------------------------------------------------------------------ logging
-class _MetricsWriter:
-  """JSONL (always) and TensorBoard (if a writer package is installed)."""
-
-  def __init__(self, workdir: str, *, start_step: int, tensorboard: bool):
-    self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, METRICS_FILE)
-    self._tb = None
-    if not self.enabled:
-      return
-    if os.path.exists(self.path):
-      # Lines past the restored step were written by a run killed before its
-      # next checkpoint; the resumed run writes them again.
-      with open(self.path) as f:
-        kept = [line for line in f if line.strip() and _line_step(line) <= start_step]
-      with open(self.path, "w") as f:
-        f.writelines(kept)
-    if tensorboard:
-      self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
-
-  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-    if not self.enabled:
-      return
-    with open(self.path, "a") as f:
-      f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
-    if self._tb is not None:
-      for k, v in metrics.items():
-        if isinstance(v, (int, float)):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
-
-  def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
-
-
-def _line_step(line: str) -> int:
-  try:
-    return int(json.loads(line).get("step", 0))
-  except ValueError:
-    return sys.maxsize  # a torn last line: drop it
-
-
-def _tensorboard_writer(logdir: str):
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  if importlib.util.find_spec("tensorboardX") is not None:
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-    return SummaryWriter(logdir)
-  if (importlib.util.find_spec("tensorboard") is not None
-      and importlib.util.find_spec("torch") is not None):
-    from torch.utils.tensorboard import SummaryWriter  # pylint: disable=g-import-not-at-top
-    return SummaryWriter(logdir)
-  logging.info("No TensorBoard writer installed (tensorboardX); metrics go to %s only.",
-               METRICS_FILE)
-  return None
-
-
-def _progress(total: int, initial: int, enabled: bool):
-  if not enabled or jax.process_index() != 0:
-    return None
-  try:
-    from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return tqdm.tqdm(total=total, initial=initial, desc="train", unit="step",
-                   dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-
-
-# ------------------------------------------------------- engine evaluation
-@dataclasses.dataclass
-class _Best:
-  """The best evaluation so far (`eval.keep_best`) and how many evaluations ago it was."""
-  score: float = -math.inf
-  step: int | None = None
-  evals_since: int = 0
-
-  def stop(self, patience: int) -> bool:
-    return bool(patience) and self.step is not None and self.evals_since >= patience
-
-
-def _engine_evaluation(c: ml_collections.ConfigDict, trainer: Trainer, workdir: str
-                       ) -> tuple[engine_eval_lib.EngineEval | None, _Best]:
-  """The run's `EngineEval` (None when `eval.every_steps` is 0) and the best score so far."""
-  if not c.eval.every_steps:
-    return None, _Best()
-  if jax.process_count() > 1:
-    raise ConfigError("eval.every_steps runs the engine on one process; on a multi-process run"
-                      " set it to 0 and evaluate the checkpoints' exports separately.")
-  evaluator = engine_eval_lib.from_config(c.eval, target=trainer.target.model,
-                                          tokenizer=trainer.target.tokenizer, seed=int(c.seed))
-  best = _resumed_best(c, trainer, workdir)
-  logging.info("Engine evaluation every %d steps: %d prompts, modes %s%s.", c.eval.every_steps,
-               len(evaluator.prompts), list(evaluator.modes),
-               f", best {c.eval.keep_best} so far {best.score:.3f} (step {best.step})"
-               if best.step is not None else "")
-  return evaluator, best
-
-
-def _resumed_best(c: ml_collections.ConfigDict, trainer: Trainer, workdir: str) -> _Best:
-  """The best `eval.keep_best` of a resumed run's earlier part (from its best export)."""
-  best = _Best()
-  if c.eval.keep_best and os.path.exists(os.path.join(workdir, BEST_DIR, drafter_io.INFO_FILE)):
-    # A resumed run keeps the best of its earlier part, and counts the
-    # evaluations after it (they ran every `every` steps since its step).
-    info = drafter_io.read_info(os.path.join(workdir, BEST_DIR))
-    best.score = float(info.get("metrics", {}).get(c.eval.keep_best, -math.inf))
-    best.step = int(info.get("extra", {}).get("step", trainer.step))
-    every = int(c.eval.heldout_every_steps if c.eval.keep_best == config_lib.HELDOUT_BEST
-                else c.eval.every_steps)
-    best.evals_since = max(0, trainer.step // every - best.step // every)
-  return best
-
-
-def _keep_if_best(result: Mapping[str, Any], trainer: Trainer, workdir: str,
-                  c: ml_collections.ConfigDict, *, best: _Best, last: Mapping[str, Any]) -> str:
-  """Exports the drafter to DIR/best when `result` holds a new best `eval.keep_best`.
-
-  Returns what to add to the progress message.
-  """
-  key = c.eval.keep_best
-  if not key or key not in result:
-    return ""
-  best.evals_since += 1
-  if result[key] <= best.score:
-    return ""
-  best.score, best.step, best.evals_since = result[key], trainer.step, 0
-  drafter_io.export_drafter(trainer.drafter_with(on_host=True), os.path.join(workdir, BEST_DIR),
-                            target_name=trainer.target.name, metrics=dict(last),
-                            extra={"step": trainer.step, "objective": c.objective,
-                                   "workdir": recorded_path(workdir)})
-  return f" (best so far: exported to {os.path.join(workdir, BEST_DIR)})"
-
-
-def _heldout_batches(c: ml_collections.ConfigDict, trainer: Trainer, hooks: TrainHooks,
-                     data_info: Any) -> list[dict[str, np.ndarray]] | None:
-  """This process's rows of the held-out batches (None when eval.heldout_every_steps is 0)."""
-  if not c.eval.heldout_every_steps:
-    return None
-  if c.eval.keep_best == config_lib.HELDOUT_BEST and jax.process_count() > 1:
-    raise ConfigError("eval.keep_best='heldout_tau' exports from one process; on a multi-process"
-                      " run keep the held-out metric (eval.keep_best='') and export afterwards.")
-  fn = hooks.heldout_batches or default_heldout_batches
-  batches = fn(c, data_info=data_info, batch_size=int(c.data.batch_size),
-               shard_index=jax.process_index(), shard_count=jax.process_count())
-  logging.info("Held-out metric every %d steps: the last %d examples of the training split"
-               " (%d batches), never trained on.", c.eval.heldout_every_steps,
-               c.data.heldout_examples, len(batches))
-  return batches
-
-
-def _heldout_evaluate(batches: list[dict[str, np.ndarray]], trainer: Trainer, workdir: str,
-                      c: ml_collections.ConfigDict, *, best: _Best, last: dict[str, Any],
-                      writer: "_MetricsWriter", bar: Any) -> None:
-  """Measures the held-out metric, logs it, exports the drafter if it is the best."""
-  start = time.perf_counter()
-  result: dict[str, Any] = trainer.heldout_metrics(batches)
-  result["heldout_eval_s"] = time.perf_counter() - start
-  summary = (f"heldout_tau {result['heldout_tau']:.3f} ± {result['heldout_tau_se']:.3f}"
-             f" ({result['heldout_examples']} examples)")
-  _record_evaluation(result, summary=summary, kind="held-out metric",
-                     seconds=result["heldout_eval_s"], trainer=trainer, workdir=workdir, c=c,
-                     best=best, last=last, writer=writer, bar=bar)
-
-
-def _evaluate(evaluator: engine_eval_lib.EngineEval, trainer: Trainer, workdir: str,
-              c: ml_collections.ConfigDict, *, best: _Best, last: dict[str, Any],
-              writer: _MetricsWriter, bar: Any) -> None:
-  """Measures the drafter in the engine, logs it, exports it if it is the best (updates `best`)."""
-  drafter = trainer.drafter_with(on_host=True)
-  result = evaluator(trainer.target.model, drafter)
-  summary = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.startswith("engine_tau"))
-  _record_evaluation(result, summary=summary, kind="engine evaluation",
-                     seconds=result["engine_eval_s"], trainer=trainer, workdir=workdir, c=c,
-                     best=best, last=last, writer=writer, bar=bar)
-
-
-def _record_evaluation(result: dict[str, Any], *, summary: str, kind: str, seconds: float,
-                       trainer: Trainer, workdir: str, c: ml_collections.ConfigDict,
-                       best: _Best, last: dict[str, Any], writer: "_MetricsWriter",
-                       bar: Any) -> None:
-  """Writes an evaluation's metrics, exports the drafter if it is the best, logs one line."""
-  writer.write(trainer.step, result)
-  last.update(result)
-  summary += _keep_if_best(result, trainer, workdir, c, best=best, last=last)
-  message = f"step {trainer.step}: {summary} ({kind}, {seconds:.1f}s)"
-  if bar is not None:
-    bar.write(message)
-  else:
-    logging.info(message)
-
-
 # --------------------------------------------------------------------- run
 @dataclasses.dataclass
 class TrainResult:
@@ -910,7 +497,7 @@ class TrainResult:
   stopped_early: bool = False  # eval.patience ended the run before num_steps
 
 
-def _restore_or_initialize(c: ml_collections.ConfigDict, trainer: "Trainer", *,
+def _restore_or_initialize(c: ml_collections.ConfigDict, trainer: Trainer, *,
                            checkpointer: ckpt_lib.Checkpointer, iterator: Any, data_info: Any,
                            hooks: TrainHooks) -> tuple[int | None, str | None, dict[str, Any]]:
   """Resumes from the newest readable checkpoint, else applies init_from or a fresh vocab.
@@ -970,7 +557,7 @@ def _check_soft_targets(c: ml_collections.ConfigDict, data_info: Any) -> None:
   soft = any(float(cfg.get(k) or 0) for k in ("kl_weight", "tv_weight"))
   if c.data.online or not soft or not isinstance(data_info, (str, os.PathLike)):
     return
-  meta = _pipeline().dataset_metadata(data_info)
+  meta = data_pipeline().dataset_metadata(data_info)
   if not int((meta.get("config") or {}).get("target_topk", 0) or meta.get("target_topk", 0) or 0):
     raise ConfigError(
         f"objective_cfg.kl_weight / tv_weight distill the target's distribution; the dataset at"
@@ -1004,17 +591,17 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
     resumed_from, init_source, last = _restore_or_initialize(
         c, trainer, checkpointer=checkpointer, iterator=iterator, data_info=data_info,
         hooks=hooks)
-    evaluator, best = _engine_evaluation(c, trainer, workdir)
-    heldout = _heldout_batches(c, trainer, hooks, data_info)
+    evaluator, best = evaluation.engine_evaluation(c, trainer, workdir)
+    heldout = evaluation.heldout_batches(c, trainer, hooks, data_info)
     if heldout is not None and evaluator is None:
-      best = _resumed_best(c, trainer, workdir)
+      best = evaluation.resumed_best(c, trainer, workdir)
   except BaseException:
     # Orbax's background threads (temporary-directory cleanup, async saves)
     # must end before the interpreter does, or they print tracebacks at exit.
     checkpointer.close()
     raise
-  writer = _MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
-  bar = _progress(num_steps, trainer.step, bool(c.progress_bar))
+  writer = MetricsWriter(workdir, start_step=trainer.step, tensorboard=bool(c.tensorboard))
+  bar = progress_bar(num_steps, trainer.step, bool(c.progress_bar))
   meta = trainer.meta()
   if init_source:
     meta["init_from"] = init_source
@@ -1063,7 +650,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
         compile_s = time.perf_counter() - loop_start
         window_start, window_steps, window_fill = time.perf_counter(), 0, 0.0
       if trainer.step % int(c.log_every_steps) == 0 or trainer.step == num_steps:
-        host = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
+        host = {k: host_scalar(v) for k, v in jax.device_get(metrics).items()}
         elapsed = time.perf_counter() - window_start
         if window_steps:
           host["steps_per_s"] = window_steps / max(elapsed, 1e-9)
@@ -1085,13 +672,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, *, hooks: TrainHooks 
       if evaluator is not None and (trainer.step % int(c.eval.every_steps) == 0
                                     or trainer.step == num_steps):
         eval_start = time.perf_counter()
-        _evaluate(evaluator, trainer, workdir, c, best=best, last=last, writer=writer, bar=bar)
+        evaluation.engine_evaluate(evaluator, trainer, workdir, c, best=best, last=last,
+                                   writer=writer, bar=bar)
         window_start += time.perf_counter() - eval_start  # not training time
       if heldout is not None and (trainer.step % int(c.eval.heldout_every_steps) == 0
                                   or trainer.step == num_steps):
         eval_start = time.perf_counter()
-        _heldout_evaluate(heldout, trainer, workdir, c, best=best, last=last, writer=writer,
-                          bar=bar)
+        evaluation.heldout_evaluate(heldout, trainer, workdir, c, best=best, last=last,
+                                    writer=writer, bar=bar)
         window_start += time.perf_counter() - eval_start
       if bar is not None:
         bar.update(1)
