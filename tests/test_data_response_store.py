@@ -13,6 +13,7 @@ import tensorflow_datasets as tfds
 from dloop_jax.data import pipeline
 from dloop_jax.data import response_store
 from dloop_jax.data import target_responses as tr
+from dloop_jax.data import target_responses_config as tr_config
 from dloop_jax.errors import ConfigError
 
 tfds.disable_progress_bar()
@@ -23,7 +24,7 @@ BUILD = dict(target="tiny", target_seed=1, prompt_source="random", num_prompts=2
 
 
 def _builder(data_dir, *, store=None, **overrides):
-  config = tr.make_config(**{**BUILD, **overrides})
+  config = tr_config.make_config(**{**BUILD, **overrides})
   return tr.TargetResponses(data_dir=str(data_dir), config=config, file_format="array_record",
                             progress=False, responses_dir=None if store is None else str(store))
 
@@ -119,7 +120,7 @@ def test_a_partly_answered_store_is_answered_first_then_read(builds, tmp_path):
 def test_a_snapshot_skips_chunks_whose_features_are_not_computed(builds, tmp_path):
   """Stored answers without features are work left to the build, not part of its snapshot."""
   _, _, _, _, store = builds
-  config = tr.make_config(**BUILD)
+  config = tr_config.make_config(**BUILD)
   work = tmp_path / "work"
 
   def builder(data_dir, config, **kw):
@@ -130,7 +131,7 @@ def test_a_snapshot_skips_chunks_whose_features_are_not_computed(builds, tmp_pat
   # A build stopped after the features of chunk 0: the store answers all three.
   for name in ("chunk_00001.npz", "chunk_00002.npz"):
     os.remove(work / name)
-  snap = builder(tmp_path / "snap", tr.snapshot_config(config), finished_chunks_only=True)
+  snap = builder(tmp_path / "snap", tr_config.snapshot_config(config), finished_chunks_only=True)
   snap._features_chunk = None  # pylint: disable=protected-access  (must not be called)
   examples = _examples(snap)
   assert sorted(int(e["index"]) for e in examples) == list(range(8))
@@ -194,26 +195,26 @@ def test_the_repository_holds_answers_of_the_10k_recipe():
   spec.loader.exec_module(module)
   config = module.get_config("10k")
   assert config.responses_dir == os.path.join(root, "data", "responses")
-  tr_config = tr.config_from_data_config(config)
-  name = response_store.store_name(target_slug="smollm2_135m_instruct", spec=tr_config.spec())
+  build_config = tr_config.config_from_data_config(config)
+  name = response_store.store_name(target_slug="smollm2_135m_instruct", spec=build_config.spec())
   store_dir = os.path.join(config.responses_dir, name)
   with open(os.path.join(store_dir, "plan.json")) as f:
     plan = json.load(f)
-  assert plan["config"] == response_store.answer_spec(tr_config.spec())
+  assert plan["config"] == response_store.answer_spec(build_config.spec())
   assert plan["target_name"] == "smollm2-135m-instruct"
-  size = tr_config.chunk_size
+  size = build_config.chunk_size
   chunks = sorted(n for n in os.listdir(store_dir) if n.endswith(".npz"))
   assert chunks, "no stored answers"
   for n in chunks:
     k = int(n[len("chunk_"):-len(".npz")])
-    assert 0 <= k < -(-tr_config.num_prompts // size)
+    assert 0 <= k < -(-build_config.num_prompts // size)
     with np.load(os.path.join(store_dir, n)) as z:
       lengths, prompt_lens, tokens = z["lengths"], z["prompt_lens"], z["tokens"]
       assert z["index"].tolist() == list(range(k * size, k * size + len(lengths)))
       assert tokens.shape == (lengths.sum(),) and tokens.min() >= 0 and tokens.max() < 49152
       answer = lengths - prompt_lens
-      assert (answer >= 1).all() and (answer <= tr_config.max_new_tokens).all()
-      assert (prompt_lens <= tr_config.max_prompt_tokens).all()
+      assert (answer >= 1).all() and (answer <= build_config.max_new_tokens).all()
+      assert (prompt_lens <= build_config.max_prompt_tokens).all()
 
 
 def test_target_topk_from_stored_answers_through_the_pipeline_to_dspark(builds, tmp_path):

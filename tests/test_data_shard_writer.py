@@ -11,7 +11,9 @@ import tensorflow_datasets as tfds
 
 from dloop_jax.data import pipeline
 from dloop_jax.data import shard_writer
+from dloop_jax.data import chunk_cache
 from dloop_jax.data import target_responses as tr
+from dloop_jax.data import target_responses_config as tr_config
 from dloop_jax.data import tfds_utils
 
 tfds.disable_progress_bar()
@@ -42,7 +44,7 @@ def _chunk_examples(work_dir):
         arrays = {k: z[k] for k in z.files}
       offsets = np.concatenate([[0], np.cumsum(arrays["lengths"])])
       for row in range(len(arrays["index"])):
-        e = tr._chunk_example(arrays, offsets, row)  # pylint: disable=protected-access
+        e = chunk_cache.chunk_example(arrays, offsets, row)
         out[e["index"]] = e
   return out
 
@@ -115,7 +117,7 @@ def test_a_build_killed_while_writing_leaves_no_dataset(tmp_path, monkeypatch):
   monkeypatch.setattr(shard_writer, "write_split", dies_after_a_shard)
   with pytest.raises(KeyboardInterrupt):
     tr.build_target_responses(out_dir=out_dir, max_shard_examples=3, **BUILD)
-  assert tfds_utils.find_dataset_dirs(out_dir, name=tr.NAME) == []
+  assert tfds_utils.find_dataset_dirs(out_dir, name=tr_config.NAME) == []
   monkeypatch.setattr(shard_writer, "write_split", real)
   again = tr.build_target_responses(out_dir=out_dir, max_shard_examples=3, **BUILD)
   assert (again.chunks_reused, again.chunks_generated) == (2, 0)

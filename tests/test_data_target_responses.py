@@ -16,9 +16,14 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from dloop_jax.data import build_progress
 from dloop_jax.data import pipeline
 from dloop_jax.data import sharegpt
+from dloop_jax.data import taps_forward
 from dloop_jax.data import target_responses as tr
+from dloop_jax.data import target_responses_config as tr_config
+from dloop_jax.data import training_prompts
+from dloop_jax.data.training_prompts import ShareGPTRecord
 from dloop_jax.decoding import SamplingConfig, generate
 from dloop_jax.errors import ConfigError
 from dloop_jax.models.config import default_taps
@@ -47,7 +52,7 @@ def _examples(dataset_dir):
 @pytest.fixture(scope="module")
 def sharegpt_build(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp("tr"))
-  config = tr.make_config(**SHAREGPT_BUILD)
+  config = tr_config.make_config(**SHAREGPT_BUILD)
   builder = tr.TargetResponses(data_dir=data_dir, config=config, file_format="array_record",
                                progress=False)
   builder.download_and_prepare(download_config=tr.no_network_download_config())
@@ -70,12 +75,12 @@ def test_prompts_are_sharegpt_train_messages(sharegpt_build):
   builder, examples = sharegpt_build
   sg = sharegpt.build_sharegpt(data_dir=str(builder.data_dir_root), max_conversations=400)
   by_id = {r["id"].decode(): r for r in sg.as_data_source()["train"]}
-  byte_tok = tr.ByteTokenizer(64)
+  byte_tok = training_prompts.ByteTokenizer(64)
   for e in examples:
     record = by_id[e["prompt_key"].decode()]  # KeyError if not from the train split
     assert not sharegpt.is_heldout(e["prompt_key"].decode(), fraction=0.02)
-    expected = tr.encode_prompt(record["first_user_message"].decode(), tokenizer=byte_tok,
-                                chat_template=True)
+    expected = training_prompts.encode_prompt(record["first_user_message"].decode(),
+                                              tokenizer=byte_tok, chat_template=True)
     assert e["tokens"][:e["prompt_len"]].tolist() == expected
   # Sorted by length for less padding.
   lengths = [int(e["prompt_len"]) for e in examples]
@@ -138,9 +143,9 @@ GREEDY_STOP = 9
 @pytest.fixture(scope="module")
 def greedy_build(tmp_path_factory):
   model = tiny_target(seed=1, eos_token_ids=(GREEDY_STOP,))
-  config = tr.make_config(target="tiny_stop", prompt_source="random", num_prompts=10,
-                          max_new_tokens=20, batch_size=4, chunk_size=8, seed=7,
-                          random_prompt_min_len=2, random_prompt_max_len=30)
+  config = tr_config.make_config(target="tiny_stop", prompt_source="random", num_prompts=10,
+                                 max_new_tokens=20, batch_size=4, chunk_size=8, seed=7,
+                                 random_prompt_min_len=2, random_prompt_max_len=30)
   builder = tr.TargetResponses(data_dir=str(tmp_path_factory.mktemp("greedy")), config=config,
                                file_format="array_record", progress=False, target_model=model)
   builder.download_and_prepare(download_config=tr.no_network_download_config())
@@ -170,15 +175,15 @@ def test_greedy_build_equals_generate_ar_and_its_taps(greedy_build):
 
 def test_sharegpt_prompts_skip_repeats_and_heldout_texts():
   records = [
-      tr.ShareGPTRecord(key="a", text="Hello there", starts_with_user=True),
-      tr.ShareGPTRecord(key="b", text="  hello   THERE ", starts_with_user=True),  # repeat of a
-      tr.ShareGPTRecord(key="c", text="What is 2+2?", starts_with_user=True),
-      tr.ShareGPTRecord(key="d", text="continue", starts_with_user=False),
-      tr.ShareGPTRecord(key="e", text="Write a poem", starts_with_user=True),  # held out
-      tr.ShareGPTRecord(key="f", text="x" * 50, starts_with_user=True),  # too long
-      tr.ShareGPTRecord(key="g", text="Tell me a joke", starts_with_user=True),
+      ShareGPTRecord(key="a", text="Hello there", starts_with_user=True),
+      ShareGPTRecord(key="b", text="  hello   THERE ", starts_with_user=True),  # repeat of a
+      ShareGPTRecord(key="c", text="What is 2+2?", starts_with_user=True),
+      ShareGPTRecord(key="d", text="continue", starts_with_user=False),
+      ShareGPTRecord(key="e", text="Write a poem", starts_with_user=True),  # held out
+      ShareGPTRecord(key="f", text="x" * 50, starts_with_user=True),  # too long
+      ShareGPTRecord(key="g", text="Tell me a joke", starts_with_user=True),
   ]
-  prompts, counts = tr.select_sharegpt_prompts(
+  prompts, counts = training_prompts.select_sharegpt_prompts(
       records, heldout_texts=["write a  poem"], num_prompts=10, seed=0,
       skip_continuations=True, max_tokens=20, encode=lambda text: list(text.encode()))
   keys = sorted(p.key for p in prompts)
@@ -186,7 +191,7 @@ def test_sharegpt_prompts_skip_repeats_and_heldout_texts():
   assert counts == {"examined": 7, "continuation": 1, "heldout_duplicate": 1, "duplicate": 1,
                     "overlong_tokens": 1}
   # A seed picks the same prompts, in the same order.
-  again, _ = tr.select_sharegpt_prompts(
+  again, _ = training_prompts.select_sharegpt_prompts(
       records, heldout_texts=["write a  poem"], num_prompts=10, seed=0,
       skip_continuations=True, max_tokens=20, encode=lambda text: list(text.encode()))
   assert again == prompts
@@ -213,11 +218,11 @@ def test_metadata_check_refuses_other_taps_or_target(sharegpt_build, tmp_path):
 
 def test_bad_options_are_config_errors():
   with pytest.raises(ConfigError, match="Unknown target_responses options"):
-    tr.make_config(num_prompt=3)
+    tr_config.make_config(num_prompt=3)
   with pytest.raises(ConfigError, match="multiple of batch_size"):
-    tr.make_config(batch_size=3, chunk_size=8)
+    tr_config.make_config(batch_size=3, chunk_size=8)
   with pytest.raises(ConfigError, match="prompt_source"):
-    tr.make_config(prompt_source="web")
+    tr_config.make_config(prompt_source="web")
 
 
 # ------------------------------------------------------------------- resume
@@ -291,7 +296,7 @@ def test_killed_build_resumes_with_finished_chunks(tmp_path):
 def test_progress_line_has_rate_and_eta():
   import io
   stream = io.StringIO()
-  p = tr.Progress(total=10, done=0, stream=stream, every_seconds=0.0)
+  p = build_progress.Progress(total=10, done=0, stream=stream, every_seconds=0.0)
   time.sleep(0.01)
   p.update(prompts=4, new_tokens=100)
   line = stream.getvalue()
@@ -302,7 +307,7 @@ def test_progress_line_has_rate_and_eta():
 
 
 def test_out_of_range_features_are_clipped_and_counted(tmp_path, monkeypatch):
-  monkeypatch.setattr(tr, "F16_MAX", 0.5)
+  monkeypatch.setattr(taps_forward, "F16_MAX", 0.5)
   result = tr.build_target_responses(out_dir=str(tmp_path), target="tiny", num_examples=4,
                                      max_new_tokens=4, batch_size=4, progress=False)
   assert result.metadata["totals"]["features_clipped"] > 0

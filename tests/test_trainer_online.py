@@ -2,7 +2,7 @@
 training reads from a stored dataset: the same loss and gradients at step 1.
 
 The offline batch's features are recomputed by the data builder's own forward
-(`target_responses._taps_forward`, one unpacked example at a time, float32:
+(`taps_forward.taps_forward`, one unpacked example at a time, float32:
 no float16 storage rounding), the online step runs the target once over the
 packed rows with attention kept inside each example. Float32 throughout, so
 they agree to summation order (~1e-5 relative); against the stored float16
@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from dloop_jax.data import pipeline
-from dloop_jax.data import target_responses as tr_lib
+from dloop_jax.data import taps_forward
 from dloop_jax.drafters import build_drafter
 from dloop_jax.errors import ConfigError
 from dloop_jax.training import objectives
@@ -53,7 +53,7 @@ def _reference_features(trainer, batch, *, logits: bool):
     for s in set(seg[seg > 0].tolist()):
       where = np.flatnonzero(seg == s)
       tokens = batch["tokens"][r, where][None]
-      out = tr_lib._taps_forward(graph, state, tokens, taps=taps, topk=0)  # pylint: disable=protected-access
+      out = taps_forward.taps_forward(graph, state, tokens, taps=taps, topk=0)
       # Stored layout: zero at the example's last token.
       features[r, where[:-1]] = np.asarray(out["taps"][0, :-1], np.float32)
       if logits:

@@ -72,6 +72,7 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
   # Local imports: absl flag parsing stays fast and `--help` works without them.
   from dloop_jax.data import sharegpt as sharegpt_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.data import target_responses as tr_lib  # pylint: disable=g-import-not-at-top
+  from dloop_jax.data import target_responses_config  # pylint: disable=g-import-not-at-top
   from dloop_jax.data import tfds_utils  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from dloop_jax.plain_values import to_plain  # pylint: disable=g-import-not-at-top
@@ -92,12 +93,12 @@ def build_from_config(config: Any, *, data_dir: str | None = None,
     }
   if "target_responses" in wanted:
     keep = bool(config.keep_work_dir)
-    tr_config = tr_lib.config_from_data_config(config)
+    tr_config = target_responses_config.config_from_data_config(config)
     work_dir = None
     if snapshot:
       # The snapshot reads the full build's chunks, and never deletes them.
       work_dir = tr_lib.default_work_dir(data_dir, tr_config)
-      tr_config, keep = tr_lib.snapshot_config(tr_config), True
+      tr_config, keep = target_responses_config.snapshot_config(tr_config), True
     responses_dir = os.path.expanduser(config.get("responses_dir", "") or "") or None
     builder = tr_lib.TargetResponses(data_dir=data_dir, config=tr_config,
                                      file_format=tfds_utils.FILE_FORMAT, progress=progress,

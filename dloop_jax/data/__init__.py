@@ -2,6 +2,9 @@
 
     sharegpt          ShareGPT conversations, train / held-out split by id hash
     target_responses  the target's regenerated answers + its tapped hidden states
+                      (its config, prompts, progress, chunk cache and taps forward
+                      in target_responses_config, training_prompts, build_progress,
+                      chunk_cache, taps_forward)
     shard_writer      streams a split into array_record shards (no TFDS shuffler)
     pipeline          Grain: shuffle -> pad / pack -> batch -> per-process shard
 
@@ -22,8 +25,9 @@ _EXPORTS = {
                      "resolve_dataset_dir"), "dloop_jax.data.pipeline"),
     **dict.fromkeys(("Sharegpt", "ShareGPTConfig", "build_sharegpt", "heldout_prompts"),
                     "dloop_jax.data.sharegpt"),
-    **dict.fromkeys(("BuildResult", "TargetResponses", "TargetResponsesConfig", "make_config"),
-                    "dloop_jax.data.target_responses"),
+    **dict.fromkeys(("BuildResult", "TargetResponses"), "dloop_jax.data.target_responses"),
+    **dict.fromkeys(("TargetResponsesConfig", "make_config"),
+                    "dloop_jax.data.target_responses_config"),
     "default_data_dir": "dloop_jax.data.tfds_utils",
 }
 

@@ -63,13 +63,14 @@ import grain
 import numpy as np
 
 from dloop_jax.data import target_responses as tr_lib
+from dloop_jax.data import target_responses_config as tr_config
 from dloop_jax.data import tfds_utils
 from dloop_jax.errors import ConfigError
 
 BATCH_KEYS = ("tokens", "loss_mask", "features", "segment_ids", "positions")
 # What a batch holds with features=False (online training).
 TOKEN_BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")
-TOPK_KEYS = tr_lib.TOPK_KEYS
+TOPK_KEYS = tr_config.TOPK_KEYS
 _SEQUENCE_KEYS = ("tokens", "loss_mask", "features")
 # What online training reads of an example (the target computes the rest).
 TOKEN_KEYS = ("tokens", "loss_mask")
@@ -87,13 +88,13 @@ def resolve_dataset_dir(path: str | os.PathLike) -> str:
   if not os.path.isdir(path):
     raise ConfigError(f"Dataset path {path!r} does not exist; build one with"
                       " `python -m train.data --config configs/data_<name>.py`.")
-  found = tfds_utils.find_dataset_dirs(path, name=tr_lib.NAME)
+  found = tfds_utils.find_dataset_dirs(path, name=tr_config.NAME)
   if not found:
-    raise ConfigError(f"{path!r} holds no finished {tr_lib.NAME} dataset (no"
+    raise ConfigError(f"{path!r} holds no finished {tr_config.NAME} dataset (no"
                       " dataset_info.json); build one with `python -m train.data`.")
   if len(found) > 1:
     listing = "\n  ".join(found)
-    raise ConfigError(f"{path!r} holds {len(found)} {tr_lib.NAME} datasets; pass one of:\n"
+    raise ConfigError(f"{path!r} holds {len(found)} {tr_config.NAME} datasets; pass one of:\n"
                       f"  {listing}")
   return found[0]
 
@@ -127,7 +128,7 @@ def check_dataset_matches(info: Any, *, taps, target_fingerprint: Mapping[str, A
   meta = dataset_metadata(info)
   where = info if isinstance(info, (str, os.PathLike)) else "the dataset"
   if not meta or "taps" not in meta:
-    raise ConfigError(f"{where} has no {tr_lib.NAME} metadata (taps, target); rebuild it with"
+    raise ConfigError(f"{where} has no {tr_config.NAME} metadata (taps, target); rebuild it with"
                       " `python -m train.data`.")
   have = tuple(int(t) for t in meta["taps"])
   want = have if taps is None else tuple(int(t) for t in taps)
@@ -146,7 +147,7 @@ def check_dataset_matches(info: Any, *, taps, target_fingerprint: Mapping[str, A
                       f" {target_name!r}. Rebuild the dataset with this target.")
 
 
-def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN, features: bool = True):
+def data_source(path: str | os.PathLike, *, split: str = tr_config.TRAIN, features: bool = True):
   """The random-access TFDS data source (array_record) of a split.
 
   `features=False`: the stored target outputs (taps, top-k) are left
@@ -163,7 +164,7 @@ def data_source(path: str | os.PathLike, *, split: str = tr_lib.TRAIN, features:
   return builder.as_data_source(split=split, decoders=skipped)
 
 
-def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_lib.TRAIN,
+def token_counts(path: str | os.PathLike, *, vocab_size: int, split: str = tr_config.TRAIN,
                  masked: bool = True, max_examples: int = 0) -> np.ndarray:
   """[V] int64 counts of the target tokens of a split, in one pass over its examples.
 
@@ -242,7 +243,7 @@ def make_dataset(
     shard_count: int | None = None,
     pack: bool = False,
     num_epochs: int | None = None,
-    split: str = tr_lib.TRAIN,
+    split: str = tr_config.TRAIN,
     num_packing_bins: int | None = None,
     worker_count: int = 0,
     max_examples: int = 0,
@@ -327,7 +328,7 @@ def _trainable(n: int, *, heldout_examples: int, split: str) -> int:
 
 def heldout_batches(*, path: str | os.PathLike, seq_len: int, batch_size: int,
                     heldout_examples: int, shard_index: int = 0, shard_count: int = 1,
-                    split: str = tr_lib.TRAIN, features: bool = True,
+                    split: str = tr_config.TRAIN, features: bool = True,
                     source: Any = None) -> list[dict[str, np.ndarray]]:
   """The held-out examples (the split's last N, never trained on) as padded batches.
 

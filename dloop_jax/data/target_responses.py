@@ -64,160 +64,30 @@ for other taps or another target.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
 import os
 import shutil
 import sys
-import time
-import zipfile
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from dloop_jax.data import shard_writer
+from dloop_jax.data import sharegpt as sharegpt_lib
+from dloop_jax.data import taps_forward
+from dloop_jax.data.build_progress import Progress
+from dloop_jax.data.chunk_cache import chunk_example, load_chunk, load_chunk_if_exists
 from dloop_jax.data.response_store import (ResponseStore, answer_spec, claim_directory,
                                            save_npz_atomic, store_name)
-from dloop_jax.data import sharegpt as sharegpt_lib
+from dloop_jax.data.target_responses_config import (NAME, TRAIN, WORK_DIR_NAME,
+                                                    TargetResponsesConfig, make_config,
+                                                    snapshot_config, target_slug)
 from dloop_jax.data.tfds_utils import FILE_FORMAT, LocalBuilder, no_network_download_config
+from dloop_jax.data.training_prompts import (ByteTokenizer, Prompt, ShareGPTRecord, by_length,
+                                             encode_prompt, prompts_digest,
+                                             select_sharegpt_prompts)
 from dloop_jax.errors import ConfigError
-from dloop_jax.plain_values import to_plain
-
-NAME = "target_responses"
-TRAIN = "train"
-PROMPT_SOURCES = ("sharegpt", "random")
-WORK_DIR_NAME = "target_responses_work"
-# Hidden states beyond float16's range (some models have "massive
-# activations" at a few positions) are clipped to it, and counted.
-F16_MAX = float(np.finfo(np.float16).max)
-TOPK_KEYS = ("target_topk_ids", "target_topk_probs")
-
-
-# ------------------------------------------------------------------ config
-@dataclasses.dataclass(eq=False)
-class TargetResponsesConfig(tfds.core.BuilderConfig):
-  """What is generated (every field changes the data, so all are in the name).
-
-  Attributes:
-    target: "tiny" (a random `tiny_target`), anything `load_target` takes (a
-      registry name such as "smollm2-135m-instruct", a .gguf, an HF dir), or,
-      when the builder is given a model, that model's name.
-    target_seed: tiny only: `tiny_target(seed=...)`.
-    target_init_std: tiny only.
-    taps: tapped decoder layers (() = `default_taps(num_layers)`).
-    prompt_source: "sharegpt" (train split first user messages) or "random"
-      (random token ids; tiny targets, CI).
-    num_prompts: prompts to answer (fewer if the source has fewer).
-    max_new_tokens: response length limit.
-    temperature: 0 = greedy.
-    top_k: 0 = no limit.
-    top_p: 1 = no limit.
-    seed: prompt selection and sampling.
-    chat_template: format ShareGPT prompts with the tokenizer's chat template
-      (else plain text). Targets without a tokenizer encode text as bytes.
-    system_prompt: optional system message ("" = the template's default).
-    max_prompt_tokens: drop prompts that encode to more tokens.
-    skip_continuations: drop ShareGPT parts that start with an assistant turn.
-    batch_size: rows per `generate()` call.
-    chunk_size: prompts per resumable work chunk (a multiple of batch_size).
-    random_prompt_min_len / random_prompt_max_len: random prompt lengths.
-    target_topk: also store the target's k most likely next tokens and their
-      probabilities at every position (0 = none). Needs the full forward over
-      each finished answer (answers are generated without capture).
-    sharegpt_heldout_fraction / sharegpt_max_prompt_chars /
-      sharegpt_max_conversations: the `sharegpt` config the prompts come from
-      (max_conversations > 0 reads only the first N conversations; tests).
-  """
-
-  target: str = "smollm2-135m-instruct"
-  target_seed: int = 0
-  target_init_std: float = 0.3
-  taps: tuple[int, ...] = ()
-  prompt_source: str = "sharegpt"
-  num_prompts: int = 1000
-  max_new_tokens: int = 512
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  chat_template: bool = True
-  system_prompt: str = ""
-  max_prompt_tokens: int = 1024
-  skip_continuations: bool = True
-  batch_size: int = 8
-  chunk_size: int = 64
-  random_prompt_min_len: int = 4
-  random_prompt_max_len: int = 16
-  target_topk: int = 0
-  sharegpt_heldout_fraction: float = 0.02
-  sharegpt_max_prompt_chars: int = 8192
-  sharegpt_max_conversations: int = 0
-
-  def sharegpt_options(self) -> dict[str, Any]:
-    return {"heldout_fraction": self.sharegpt_heldout_fraction,
-            "max_prompt_chars": self.sharegpt_max_prompt_chars,
-            "max_conversations": self.sharegpt_max_conversations}
-
-  def spec(self) -> dict[str, Any]:
-    """The fields that decide the data (everything but TFDS bookkeeping)."""
-    base = {f.name for f in dataclasses.fields(tfds.core.BuilderConfig)}
-    out = {}
-    for f in dataclasses.fields(self):
-      if f.name not in base:
-        value = getattr(self, f.name)
-        if f.name in _NEWER_FIELDS and value == f.default:
-          continue
-        out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-# Fields added after builds were named: left out of `spec()` (and so of the
-# derived name) at their default, so that those builds keep their names.
-_NEWER_FIELDS = ("target_topk",)
-_TFDS_FIELDS = frozenset(f.name for f in dataclasses.fields(tfds.core.BuilderConfig))
-CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TargetResponsesConfig)
-                      if f.name not in _TFDS_FIELDS)
-
-
-def _slug(text: str) -> str:
-  base = text
-  if os.sep in text or text.endswith(".gguf"):  # a file or directory: its name
-    base = os.path.splitext(os.path.basename(os.path.normpath(text)))[0]
-  slug = "".join(ch if ch.isalnum() else "_" for ch in base.lower()).strip("_")
-  return slug[:40] or "target"
-
-
-def make_config(*, name: str | None = None, **fields) -> TargetResponsesConfig:
-  """A config whose name is derived from its fields unless given.
-
-  The derived name is `<target slug>_<sha256 of the fields, 10 hex>`, so two
-  configs that would produce different data never share a directory.
-  """
-  unknown = sorted(set(fields) - set(CONFIG_FIELDS))
-  if unknown:
-    raise ConfigError(f"Unknown target_responses options {unknown}; known: {list(CONFIG_FIELDS)}.")
-  if "taps" in fields:
-    fields["taps"] = tuple(int(t) for t in fields["taps"])
-  config = TargetResponsesConfig(name="_", **fields)
-  _validate(config)
-  if name is None:
-    digest = hashlib.sha256(json.dumps(config.spec(), sort_keys=True).encode()).hexdigest()
-    name = f"{_slug(config.target)}_{digest[:10]}"
-  return dataclasses.replace(config, name=name)
-
-
-def config_from_data_config(config: Any) -> TargetResponsesConfig:
-  """The config a data config (configs/data_*.py) describes: its `target_responses`
-  fields and its `sharegpt` options; the name derived unless set."""
-  fields = to_plain(config.target_responses)
-  name = fields.pop("name", "") or None
-  for key, value in to_plain(config.sharegpt).items():
-    if key != "source_path":
-      fields[f"sharegpt_{key}"] = value
-  return make_config(name=name, **fields)
 
 
 def default_work_dir(data_dir: str | os.PathLike, config: TargetResponsesConfig) -> str:
@@ -226,254 +96,10 @@ def default_work_dir(data_dir: str | os.PathLike, config: TargetResponsesConfig)
                       str(TargetResponses.VERSION))
 
 
-def snapshot_config(config: TargetResponsesConfig) -> TargetResponsesConfig:
-  """The config of a snapshot of `config`'s build: same settings, name + "_snapshot"."""
-  return dataclasses.replace(config, name=f"{config.name}_snapshot")
-
-
-def _validate(c: TargetResponsesConfig) -> None:
-  if c.prompt_source not in PROMPT_SOURCES:
-    raise ConfigError(f"prompt_source must be one of {PROMPT_SOURCES}, got {c.prompt_source!r}.")
-  for key in ("num_prompts", "max_new_tokens", "batch_size", "chunk_size", "max_prompt_tokens",
-              "random_prompt_min_len", "random_prompt_max_len"):
-    value = getattr(c, key)
-    if not isinstance(value, int) or value < 1:
-      raise ConfigError(f"target_responses {key} must be an int >= 1, got {value!r}.")
-  if not isinstance(c.target_topk, int) or c.target_topk < 0:
-    raise ConfigError(f"target_responses target_topk must be an int >= 0, got {c.target_topk!r}.")
-  if c.chunk_size % c.batch_size:
-    raise ConfigError(f"chunk_size ({c.chunk_size}) must be a multiple of batch_size"
-                      f" ({c.batch_size}).")
-  if c.random_prompt_min_len > c.random_prompt_max_len:
-    raise ConfigError("random_prompt_min_len must be <= random_prompt_max_len.")
-
-
-def tiny_target_name(*, seed: int, init_std: float) -> str:
-  """The name the trainer gives the same tiny target (see `training.trainer`)."""
-  return f"tiny(seed={seed},init_std={init_std})"
-
-
 def batch_key(seed: int, batch_index: int):
   """The PRNG key batch `batch_index` is generated with."""
   import jax  # pylint: disable=g-import-not-at-top
   return jax.random.fold_in(jax.random.key(seed), batch_index)
-
-
-# --------------------------------------------------------------- tokenizing
-def prompt_text_key(text: str) -> str:
-  """What makes two prompts the same: the text, case-folded, whitespace collapsed."""
-  return " ".join(text.casefold().split())
-
-
-class ByteTokenizer:
-  """Text -> ids for targets without a tokenizer: UTF-8 bytes modulo the vocab.
-
-  Lets tiny random targets answer real ShareGPT prompts (tests, CI); the
-  "chat template" is a plain `User: ...\\nAssistant:` wrapper.
-  """
-
-  def __init__(self, vocab_size: int):
-    self.vocab_size = vocab_size
-    self.stop_token_ids: tuple[int, ...] = ()
-
-  def encode(self, text: str) -> list[int]:
-    return [b % self.vocab_size for b in text.encode("utf-8")]
-
-  def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
-    return self.encode(text + "Assistant:")
-
-
-def encode_prompt(text: str, *, tokenizer: Any, chat_template: bool,
-                  system_prompt: str = "") -> list[int]:
-  """A user message -> prompt token ids (chat-formatted, generation prompt added)."""
-  messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-  messages.append({"role": "user", "content": text})
-  if isinstance(tokenizer, ByteTokenizer):
-    return tokenizer.chat(messages) if chat_template else tokenizer.encode(text)
-  if chat_template:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-  return list(tokenizer.encode(text))
-
-
-# ----------------------------------------------------------------- progress
-class Progress:
-  """Prompts done / total, generated tokens per second and ETA, to stderr."""
-
-  def __init__(self, *, total: int, done: int, stream: TextIO | None = None,
-               every_seconds: float = 2.0, enabled: bool = True):
-    self.total, self.done, self.start_done = total, done, done
-    self.new_tokens = 0
-    self.read_tokens = 0  # tokens of stored answers read by a features forward
-    self.stream = stream if stream is not None else sys.stderr
-    self.every = every_seconds
-    self.enabled = enabled
-    self.t0 = time.perf_counter()
-    self._last = -math.inf
-
-  def update(self, *, prompts: int, new_tokens: int, read_tokens: int = 0,
-             force: bool = False) -> None:
-    self.done += prompts
-    self.new_tokens += new_tokens
-    self.read_tokens += read_tokens
-    now = time.perf_counter()
-    if self.enabled and (force or now - self._last >= self.every or self.done == self.total):
-      self._last = now
-      print(self.line(now), file=self.stream, flush=True)
-
-  def line(self, now: float | None = None) -> str:
-    elapsed = (now or time.perf_counter()) - self.t0
-    generated = self.done - self.start_done
-    rate = self.new_tokens / elapsed if elapsed > 0 else 0.0
-    if generated and self.done < self.total:
-      eta = _duration(elapsed / generated * (self.total - self.done))
-    else:
-      eta = "0s" if self.done >= self.total else "?"
-    pct = 100.0 * self.done / max(self.total, 1)
-    read = (f" | {self.read_tokens / elapsed:,.0f} tok/s of stored answers read"
-            if self.read_tokens and elapsed > 0 else "")
-    return (f"[{NAME}] {self.done}/{self.total} prompts ({pct:.0f}%) | {rate:,.1f} new tok/s"
-            f"{read} | elapsed {_duration(elapsed)} | ETA {eta}")
-
-
-def _duration(seconds: float) -> str:
-  seconds = int(round(seconds))
-  h, rest = divmod(seconds, 3600)
-  m, s = divmod(rest, 60)
-  return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-# ------------------------------------------------------------------ chunks
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Prompt:
-  key: str
-  ids: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShareGPTRecord:
-  key: str  # conversation id
-  text: str  # first user message
-  starts_with_user: bool
-
-
-def select_sharegpt_prompts(
-    records: Sequence[ShareGPTRecord],
-    *,
-    heldout_texts: Iterable[str],
-    num_prompts: int,
-    seed: int,
-    skip_continuations: bool,
-    max_tokens: int,
-    encode: Callable[[str], list[int]],
-) -> tuple[list[Prompt], dict[str, int]]:
-  """Up to `num_prompts` training prompts of `records` (train split, file order).
-
-  Records are visited in a seeded random order. Skipped, and counted:
-  continuation parts (with `skip_continuations`), a text equal to a held-out
-  prompt (ShareGPT reposts messages under other ids, and the split hashes
-  ids: such a prompt would leak into the benchmark's held-out chat set), a
-  repeat of a text already taken, and prompts over `max_tokens` once encoded.
-  Texts compare by `prompt_text_key`.
-
-  Returns:
-    (prompts, counts).
-  """
-  heldout = {prompt_text_key(t) for t in heldout_texts}
-  counts = {"examined": 0, "continuation": 0, "heldout_duplicate": 0, "duplicate": 0,
-            "overlong_tokens": 0}
-  seen: set[str] = set()
-  out = []
-  for j in np.random.default_rng(seed).permutation(len(records)):
-    if len(out) >= num_prompts:
-      break
-    record = records[j]
-    counts["examined"] += 1
-    if skip_continuations and not record.starts_with_user:
-      counts["continuation"] += 1
-      continue
-    text_key = prompt_text_key(record.text)
-    if text_key in heldout:
-      counts["heldout_duplicate"] += 1
-      continue
-    if text_key in seen:
-      counts["duplicate"] += 1
-      continue
-    seen.add(text_key)
-    ids = encode(record.text)
-    if len(ids) > max_tokens:
-      counts["overlong_tokens"] += 1
-      continue
-    out.append(Prompt(key=record.key, ids=tuple(int(t) for t in ids)))
-  return out, counts
-
-
-def _load_chunk(path: str, *, expected_index: np.ndarray) -> dict[str, np.ndarray] | None:
-  """A finished chunk, or None if it is unreadable or belongs to other prompts.
-
-  "features" (most of the bytes) is memory-mapped, not read: writing the
-  dataset visits examples in TFDS's hashed order, across all chunks.
-  """
-  try:
-    with np.load(path, allow_pickle=False) as z:
-      arrays = {k: z[k] for k in z.files if k != "features"}
-    arrays["features"] = _npz_memmap(path, "features")
-  except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
-    print(f"[{NAME}] ignoring unreadable chunk {path} ({type(e).__name__}: {e});"
-          " regenerating it.", file=sys.stderr)
-    return None
-  if not np.array_equal(arrays.get("index"), expected_index):
-    return None
-  return arrays
-
-
-def _load_chunk_if_exists(path: str, *, expected_index: np.ndarray
-                          ) -> dict[str, np.ndarray] | None:
-  return _load_chunk(path, expected_index=expected_index) if os.path.exists(path) else None
-
-
-def _npz_memmap(path: str, name: str) -> np.ndarray:
-  """Array `name` of an uncompressed .npz (what `np.savez` writes), memory-mapped."""
-  with zipfile.ZipFile(path) as z:
-    info = z.getinfo(f"{name}.npy")
-  if info.compress_type != zipfile.ZIP_STORED:
-    with np.load(path, allow_pickle=False) as z:
-      return z[name]
-  with open(path, "rb") as f:
-    f.seek(info.header_offset)
-    local = f.read(30)  # the zip local file header; its name and extra field follow
-    if local[:4] != b"PK\x03\x04":
-      raise ValueError(f"bad zip local header for {name}")
-    name_len, extra_len = int.from_bytes(local[26:28], "little"), int.from_bytes(
-        local[28:30], "little")
-    f.seek(info.header_offset + 30 + name_len + extra_len)
-    version = np.lib.format.read_magic(f)
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    shape, fortran, dtype = read_header(f)
-    offset = f.tell()
-  if fortran:
-    raise ValueError(f"{name} is stored in Fortran order")
-  return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
-
-
-def _chunk_example(arrays: dict[str, np.ndarray], offsets: np.ndarray, i: int) -> dict[str, Any]:
-  """Example i of a chunk (tokens and features are stored flat; offsets = cumsum of lengths)."""
-  a, b = int(offsets[i]), int(offsets[i + 1])
-  prompt_len = int(arrays["prompt_lens"][i])
-  mask = np.zeros((b - a,), np.int32)
-  mask[prompt_len:] = 1
-  return {
-      "index": int(arrays["index"][i]),
-      "prompt_key": str(arrays["keys"][i]),
-      "tokens": arrays["tokens"][a:b].astype(np.int32),
-      "loss_mask": mask,
-      "prompt_len": prompt_len,
-      "response_len": (b - a) - prompt_len,
-      "stopped": bool(arrays["stopped"][i]),
-      "features": np.asarray(arrays["features"][a:b]),
-      **{key: np.asarray(arrays[key][a:b]) for key in TOPK_KEYS if key in arrays},
-  }
 
 
 # ----------------------------------------------------------------- builder
@@ -543,7 +169,8 @@ class TargetResponses(LocalBuilder):
       if self._target_model is not None:
         self._resolved = (self._target_model, self._tokenizer, c.target)
       elif c.target == "tiny":
-        from dloop_jax.models.transformer import tiny_target  # pylint: disable=g-import-not-at-top
+        from dloop_jax.models.transformer import (  # pylint: disable=g-import-not-at-top
+            tiny_target, tiny_target_name)
         model = tiny_target(seed=c.target_seed, init_std=c.target_init_std)
         self._resolved = (model, self._tokenizer,
                           tiny_target_name(seed=c.target_seed, init_std=c.target_init_std))
@@ -653,7 +280,7 @@ class TargetResponses(LocalBuilder):
     if not prompts:
       raise ConfigError("No prompt survived the filters (see max_prompt_tokens,"
                         " skip_continuations); nothing to generate.")
-    return _by_length(prompts), counts
+    return by_length(prompts), counts
 
   # ------------------------------------------------------------- splits
   @property
@@ -666,7 +293,7 @@ class TargetResponses(LocalBuilder):
     prompts, counts = self._sorted_prompts()
     model, _, target_name = self.target()
     plan = {"config": c.spec(), "target_name": target_name, "taps": list(self.taps()),
-            "prompts": _prompts_digest(prompts)}
+            "prompts": prompts_digest(prompts)}
     self._store = self._open_store(prompts)
     claim_directory(self.work_dir, plan, refusal=(
         f"The work directory {self.work_dir} holds chunks of a different build (other"
@@ -700,7 +327,7 @@ class TargetResponses(LocalBuilder):
     offsets = {id(c): np.concatenate([[0], np.cumsum(c["lengths"])]) for c in chunks}
     for index in shard_writer.tfds_order(located, split=TRAIN):
       chunk, row = located[index]
-      yield _chunk_example(chunk, offsets[id(chunk)], row)
+      yield chunk_example(chunk, offsets[id(chunk)], row)
 
   def _finish_chunks(self, prompts: list[Prompt]) -> list[dict[str, np.ndarray]]:
     """Loads the finished chunks and generates the missing ones; sets metadata totals."""
@@ -731,7 +358,7 @@ class TargetResponses(LocalBuilder):
       lo, hi = k * c.chunk_size, min(n, (k + 1) * c.chunk_size)
       path = self._chunk_path(k)
       index = self._chunk_index(k, n=n)
-      arrays = _load_chunk_if_exists(path, expected_index=index)
+      arrays = load_chunk_if_exists(path, expected_index=index)
       reused = arrays is not None and k not in answered
       # A snapshot computes nothing: chunks whose features are not written
       # yet are missing from it, stored answers or not.
@@ -755,7 +382,7 @@ class TargetResponses(LocalBuilder):
           save_npz_atomic(path, chunk)
         else:
           totals["features_seconds"] += self._answer_chunk(prompts, k, n=n, progress=progress)
-        arrays = _load_chunk(path, expected_index=index)  # features memory-mapped
+        arrays = load_chunk(path, expected_index=index)  # features memory-mapped
       totals["generation_seconds"] += float(arrays["seconds"])
       totals["compile_seconds"] += float(arrays["compile_seconds"])
       totals["new_tokens"] += int(arrays["new_tokens"])
@@ -797,7 +424,7 @@ class TargetResponses(LocalBuilder):
     """Whether chunk k's answers are in the store or its finished arrays in the work directory."""
     index = self._chunk_index(k, n=n)
     return ((self._store is not None and self._store.load(k, expected_index=index) is not None)
-            or _load_chunk_if_exists(self._chunk_path(k), expected_index=index) is not None)
+            or load_chunk_if_exists(self._chunk_path(k), expected_index=index) is not None)
 
   def _answer_chunk(self, prompts: list[Prompt], k: int, *, n: int, progress: Progress) -> float:
     """Answers chunk k, stores the answers and writes the finished chunk.
@@ -852,7 +479,7 @@ class TargetResponses(LocalBuilder):
         response = out.tokens[i]
         seq = np.asarray(list(batch[i].ids) + list(response), np.int32)
         if capture:
-          feats, n_clipped = _stored_features(np.asarray(out.features[i], np.float32),
+          feats, n_clipped = taps_forward.stored_features(np.asarray(out.features[i], np.float32),
                                               length=len(seq))
           features.append(feats)
           clipped += n_clipped
@@ -878,53 +505,10 @@ class TargetResponses(LocalBuilder):
       arrays.update(features=np.concatenate(features), clipped=np.asarray(clipped))
     return arrays
 
-  def _features_chunk(self, answers: dict[str, np.ndarray], *,
-                      rows: int = 8) -> dict[str, np.ndarray]:
-    """A chunk of stored answers with its features: one target forward per `rows` examples.
-
-    The examples are packed by length into forwards of `rows` rows, each padded
-    to a multiple of 128 positions (few compiled shapes); the taps of a
-    causal forward at position t depend on tokens[:t + 1] only, so padding
-    changes nothing, and the values equal the ones captured while decoding up
-    to floating-point summation order (tested). Without `target_topk` the
-    forward stops at the last tapped layer and computes no logits.
-    """
-    import jax  # pylint: disable=g-import-not-at-top
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-    model = self.target()[0]
-    taps = self.taps()
-    k = self.topk()
-    offsets = np.concatenate([[0], np.cumsum(answers["lengths"])])
-    n = len(answers["index"])
-    features: list[np.ndarray | None] = [None] * n
-    topk_ids: list[np.ndarray | None] = [None] * n
-    topk_probs: list[np.ndarray | None] = [None] * n
-    clipped = 0
-    t0 = time.perf_counter()
-    graph, state = nnx.split(model)
-    for group in np.array_split(np.argsort(answers["lengths"], kind="stable"),
-                                -(-n // rows)):
-      width = -(-int(answers["lengths"][group].max()) // 128) * 128
-      tokens = np.zeros((rows, width), np.int32)
-      for r, i in enumerate(group):
-        tokens[r, :answers["lengths"][i]] = answers["tokens"][offsets[i]:offsets[i + 1]]
-      out = jax.device_get(_taps_forward(graph, state, tokens, taps=taps, topk=k))
-      tapped = np.asarray(out["taps"], np.float32)
-      for r, i in enumerate(group):
-        length = int(answers["lengths"][i])
-        features[i], n_clipped = _stored_features(tapped[r, :length - 1], length=length)
-        clipped += n_clipped
-        if k:
-          topk_ids[i] = np.zeros((length, k), np.int32)
-          topk_ids[i][:length - 1] = out["topk_ids"][r, :length - 1]
-          topk_probs[i] = np.zeros((length, k), np.float16)
-          topk_probs[i][:length - 1] = out["topk_probs"][r, :length - 1]
-    arrays = dict(answers, features=np.concatenate(features), clipped=np.asarray(clipped),
-                  features_seconds=np.asarray(time.perf_counter() - t0))
-    if k:
-      arrays.update(target_topk_ids=np.concatenate(topk_ids),
-                    target_topk_probs=np.concatenate(topk_probs))
-    return arrays
+  def _features_chunk(self, answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A chunk of stored answers with its features (`taps_forward.features_chunk`)."""
+    return taps_forward.features_chunk(answers, model=self.target()[0], taps=self.taps(),
+                                       topk=self.topk())
 
   # ------------------------------------------------------- answers only
   def _open_store(self, prompts: list[Prompt]) -> ResponseStore | None:
@@ -933,9 +517,9 @@ class TargetResponses(LocalBuilder):
     c: TargetResponsesConfig = self.builder_config
     _, _, target_name = self.target()
     plan = {"config": answer_spec(c.spec()), "target_name": target_name,
-            "prompts": _prompts_digest(prompts)}
-    return ResponseStore(self._responses_dir, name=store_name(target_slug=_slug(target_name),
-                                                             spec=c.spec()), plan=plan)
+            "prompts": prompts_digest(prompts)}
+    name = store_name(target_slug=target_slug(target_name), spec=c.spec())
+    return ResponseStore(self._responses_dir, name=name, plan=plan)
 
   def answer_prompts(self) -> dict[str, Any]:
     """Answers every prompt into the response store, computing no features.
@@ -974,53 +558,6 @@ class TargetResponses(LocalBuilder):
     seconds = summary["generation_seconds"]
     summary["new_tokens_per_second"] = summary["new_tokens"] / seconds if seconds else 0.0
     return summary
-
-
-def _stored_features(read: np.ndarray, *, length: int) -> tuple[np.ndarray, int]:
-  """[length - 1, n_taps, D] taps -> the stored [length, n_taps, D] float16, and clipped count."""
-  feats = np.zeros((length,) + read.shape[1:], np.float16)
-  feats[:length - 1] = np.clip(read, -F16_MAX, F16_MAX).astype(np.float16)
-  return feats, int(np.count_nonzero(np.abs(read) > F16_MAX))
-
-
-def _taps_forward_impl(graph, state, tokens, *, taps, topk):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  model = nnx.merge(graph, state)
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-  cache = model.init_cache(batch_size=b, capacity=t)
-  o = model(tokens, positions=positions, cache=cache, taps=taps, taps_only=not topk)
-  if not topk:
-    return {"taps": o.taps}
-  probs, ids = jax.lax.top_k(jax.nn.softmax(o.logits, axis=-1), topk)
-  return {"taps": o.taps, "topk_ids": ids.astype(jnp.int32),
-          "topk_probs": probs.astype(jnp.float16)}
-
-
-def _taps_forward(graph, state, tokens, *, taps, topk=0):
-  """[B, T] tokens -> {"taps": [B, T, n_taps, D]} of one causal forward (jitted per shape),
-  with "topk_ids" / "topk_probs" [B, T, topk] of the target's next-token distributions."""
-  global _TAPS_FORWARD_JIT
-  if _TAPS_FORWARD_JIT is None:
-    import jax  # pylint: disable=g-import-not-at-top
-    _TAPS_FORWARD_JIT = jax.jit(_taps_forward_impl, static_argnums=0,
-                                static_argnames=("taps", "topk"))
-  return _TAPS_FORWARD_JIT(graph, state, tokens, taps=tuple(taps), topk=int(topk))
-
-
-_TAPS_FORWARD_JIT = None
-
-
-def _prompts_digest(prompts: Sequence[Prompt]) -> str:
-  return hashlib.sha256(json.dumps([[p.key, p.ids] for p in prompts]).encode()).hexdigest()
-
-
-def _by_length(prompts: Sequence[Prompt]) -> list[Prompt]:
-  """Sorted by length: rows of a batch pad to similar widths, and the few
-  prompt-width buckets compile once each."""
-  return sorted(prompts, key=lambda p: (len(p.ids), p.key))
 
 
 def _text(value: Any) -> str:
