@@ -282,7 +282,7 @@ def test_export_and_load(learnable, kind, tmp_path):
 def test_trainer_trains_the_tiny_config(kind, tmp_path, monkeypatch):
   """`python -m train --config configs/tiny_<kind>.py`, shortened: trains, exports, loads."""
   monkeypatch.syspath_prepend(trainer_hooks.ROOT)
-  c = trainer_hooks.load_config_file(f"tiny_{kind}.py")
+  c = trainer_hooks.load_config_file("tiny.py", kind)
   c.num_steps, c.log_every_steps, c.checkpoint.every_steps = 6, 3, 6
   c.data.num_examples, c.data.seq_len = 32, 32
   c.progress_bar = c.tensorboard = False

@@ -16,7 +16,7 @@ from train import evaluate
 
 def test_heldout_metric_beside_engine_tau(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(trainer_hooks.ROOT)
-  c = trainer_hooks.load_config_file("tiny_block.py")
+  c = trainer_hooks.load_config_file("tiny.py", "block")
   c.num_steps, c.checkpoint.every_steps = 4, 4
   c.data.num_examples, c.data.heldout_examples = 40, 8
   c.eval.heldout_every_steps = 4
@@ -29,7 +29,7 @@ def test_heldout_metric_beside_engine_tau(tmp_path, monkeypatch, capsys):
   args = evaluate._parse([  # pylint: disable=protected-access
       "--drafters", workdir, "--prompts", "random", "--prompts-per-category", "2",
       "--max-new-tokens", "6", "--modes", "sd", "--heldout-data", os.path.join(workdir, "data"),
-      "--heldout-examples", "8", "--heldout-config", "configs/tiny_block.py"])
+      "--heldout-examples", "8", "--heldout-config", "configs/tiny.py:block"])
   target = hooks_lib.default_build_target(c.target)
   (row,) = evaluate.evaluate(args, target=target)
   # The same drafts on the same never-trained-on examples as the run's own evaluation.
@@ -45,7 +45,7 @@ def test_heldout_metric_beside_engine_tau(tmp_path, monkeypatch, capsys):
   # Held-out only: no engine run, the held-out columns alone.
   args = evaluate._parse([  # pylint: disable=protected-access
       "--drafters", workdir, "--no-engine", "--heldout-data", os.path.join(workdir, "data"),
-      "--heldout-examples", "4", "--heldout-config", "configs/tiny_block.py"])
+      "--heldout-examples", "4", "--heldout-config", "configs/tiny.py:block"])
   (row,) = evaluate.evaluate(args, target=target)
   assert row["heldout_examples"] == 4 and "engine_tau_sd" not in row
   assert "τ sd" not in evaluate._table([row], args.modes)  # pylint: disable=protected-access

@@ -35,8 +35,8 @@ def test_config_validates(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name,loop_name", [
-    ("tiny_eagle3.py", "tiny_eagle3.py:loop"), ("tiny_block.py", "tiny_block.py:loop"),
-    ("tiny_dspark.py", "tiny_dspark.py:loop"), ("tiny_domino.py", "tiny_domino.py:loop"),
+    ("tiny.py:eagle3", "tiny.py:eagle3_loop"), ("tiny.py:block", "tiny.py:block_loop"),
+    ("tiny.py:dspark", "tiny.py:dspark_loop"), ("tiny.py:domino", "tiny.py:domino_loop"),
     ("smollm2_eagle3.py", "smollm2_eagle3_loop.py"), ("smollm2_block.py", "smollm2_block_loop.py"),
     ("smollm2_eagle3.py:cpu10k", "smollm2_eagle3.py:cpu10k_loop"),
     ("smollm2_block.py:cpu10k", "smollm2_block.py:cpu10k_loop"),
@@ -120,6 +120,6 @@ def test_loop_aware_fine_tune_refuses_a_loop_aware_config():
 
 
 def test_config_files_are_locked():
-  c = trainer_hooks.load_config_file("tiny_eagle3.py")
+  c = trainer_hooks.load_config_file("tiny.py", "eagle3")
   with pytest.raises(AttributeError, match="did you mean|Did you mean"):
     c.optim.learnig_rate = 1.0

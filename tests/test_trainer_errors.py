@@ -26,7 +26,7 @@ def _precheck_error(argv, capsys) -> str:
 
 
 def test_override_typo_suggests_the_key(capsys):
-  err = _precheck_error(["--config", "configs/tiny_eagle3.py", "--workdir", "/tmp/x",
+  err = _precheck_error(["--config", "configs/tiny.py:eagle3", "--workdir", "/tmp/x",
                          "--config.optim.learnig_rate=1e-3"], capsys)
   assert "unknown config key 'optim.learnig_rate'" in err
   assert "did you mean 'optim.learning_rate'" in err
@@ -45,7 +45,7 @@ def test_config_file_typo_suggests_the_key(tmp_path, capsys):
 
 
 def test_valid_command_line_passes_precheck():
-  train_main.precheck(["--config", "configs/tiny_eagle3.py:loop", "--workdir", "/tmp/x",
+  train_main.precheck(["--config", "configs/tiny.py:eagle3_loop", "--workdir", "/tmp/x",
                        "--config.optim.learning_rate=1e-3", "--config.drafter.block_size=2"])
 
 
@@ -110,7 +110,7 @@ def test_cli_reports_errors_in_one_line(eagle_workdir):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
              JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "train", "--config", "configs/tiny_block.py",
+      [sys.executable, "-m", "train", "--config", "configs/tiny.py:block",
        "--workdir", eagle_workdir, f"--config.hooks={trainer_hooks.STANDIN}",
        "--config.data.num_examples=64", "--config.data.seq_len=32"],
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -27,7 +27,7 @@ import trainer_hooks
 
 
 def _config(name: str, *, online: bool, **objective):
-  c = trainer_hooks.load_config_file(name)
+  c = trainer_hooks.load_config_file(*name.split(":"))
   c.data.num_examples = 24
   c.data.seq_len = 48
   c.data.batch_size = 4
@@ -67,14 +67,14 @@ def _reference_features(trainer, batch, *, logits: bool):
 
 
 CASES = [
-    ("tiny_eagle3.py", {}),
+    ("tiny.py:eagle3", {}),
     # A block backbone with soft targets: the online step computes the
     # target's full distribution too.
-    ("tiny_domino.py", {"kl_weight": 0.5, "tv_weight": 0.5}),
+    ("tiny.py:domino", {"kl_weight": 0.5, "tv_weight": 0.5}),
 ]
 
 
-@pytest.mark.parametrize("name,objective", CASES, ids=[c[0][:-3] for c in CASES])
+@pytest.mark.parametrize("name,objective", CASES, ids=[c[0].replace(".py:", "_") for c in CASES])
 def test_online_matches_offline_at_step_one(tmp_path, name, objective):
   offline = trainer_lib.Trainer(_config(name, online=False, **objective))
   online = trainer_lib.Trainer(_config(name, online=True, **objective))
@@ -113,7 +113,7 @@ def test_online_matches_offline_at_step_one(tmp_path, name, objective):
 
 
 def test_soft_targets_offline_need_topk_data(tmp_path):
-  c = _config("tiny_eagle3.py", online=False, kl_weight=1.0)
+  c = _config("tiny.py:eagle3", online=False, kl_weight=1.0)
   c.num_steps = 1
   with pytest.raises(ConfigError, match="target_topk"):
     trainer_lib.train(c, str(tmp_path))
@@ -133,7 +133,7 @@ def test_online_needs_token_ids():
 ])
 def test_bad_online_and_heldout_values(key, value, match):
   from dloop_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
-  c = trainer_hooks.load_config_file("tiny_eagle3.py")
+  c = trainer_hooks.load_config_file("tiny.py", "eagle3")
   section, leaf = key.split(".")
   c[section][leaf] = value
   with pytest.raises(ConfigError, match=match):
@@ -143,14 +143,14 @@ def test_bad_online_and_heldout_values(key, value, match):
 def test_feature_regression_is_a_weighted_term_of_the_online_step(tmp_path):
   """EAGLE-1's feature loss: online, w adds w x (a positive regression loss) to the objective;
   offline (no last-layer output stored) and on a drafter without a feature it is refused."""
-  offline = trainer_lib.Trainer(_config("tiny_eagle3.py", online=False))
+  offline = trainer_lib.Trainer(_config("tiny.py:eagle3", online=False))
   iterator, _ = offline.hooks.make_iterator(
       offline.config, target=offline.target, drafter=offline.drafter, workdir=str(tmp_path),
       batch_size=offline.local_batch_size, shard_index=0, shard_count=1)
   batch = next(iterator)
   losses, grads = {}, {}
   for w in (0.0, 0.5, 1.0):
-    t = trainer_lib.Trainer(_config("tiny_eagle3.py", online=True, feature_regression_weight=w))
+    t = trainer_lib.Trainer(_config("tiny.py:eagle3", online=True, feature_regression_weight=w))
     loss, _, g = jax.device_get(t.loss_and_grads(batch))
     losses[w], grads[w] = float(loss), g
   extra = losses[0.5] - losses[0.0]
@@ -158,7 +158,7 @@ def test_feature_regression_is_a_weighted_term_of_the_online_step(tmp_path):
   np.testing.assert_allclose(losses[1.0] - losses[0.0], 2 * extra, rtol=1e-4)
   assert any(not np.allclose(grads[0.5][k], grads[0.0][k]) for k in grads[0.0])
 
-  stored = trainer_lib.Trainer(_config("tiny_eagle3.py", online=False,
+  stored = trainer_lib.Trainer(_config("tiny.py:eagle3", online=False,
                                        feature_regression_weight=0.5))
   with pytest.raises(ConfigError, match="train online"):
     stored.loss_and_grads(batch)

@@ -12,7 +12,7 @@ from test_trainer_online import _config
 
 
 def _online(topk: int) -> trainer_lib.Trainer:
-  c = _config("tiny_eagle3.py", online=True, kl_weight=1.0, hard_weight=0.1)
+  c = _config("tiny.py:eagle3", online=True, kl_weight=1.0, hard_weight=0.1)
   c.data.online_topk = topk
   return trainer_lib.Trainer(c)
 

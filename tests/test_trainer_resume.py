@@ -26,7 +26,7 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 def _command(workdir: str, every: int, *extra: str) -> list[str]:
-  return [sys.executable, "-m", "train", "--config", "configs/tiny_eagle3.py", *extra,
+  return [sys.executable, "-m", "train", "--config", "configs/tiny.py:eagle3", *extra,
           "--workdir", workdir,
           f"--config.hooks={trainer_hooks.STANDIN}",
           f"--config.num_steps={NUM_STEPS}",

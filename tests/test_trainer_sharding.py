@@ -180,7 +180,7 @@ KILL_AFTER = 8
 
 def _command(workdir: str, *extra: str) -> list[str]:
   """The reference run's config (`tiny_config(**MULTIHOST_SETTINGS)`) from the command line."""
-  return [sys.executable, "-m", "train", "--config", "configs/tiny_eagle3.py", "--workdir",
+  return [sys.executable, "-m", "train", "--config", "configs/tiny.py:eagle3", "--workdir",
           workdir, *trainer_hooks.tiny_flags(**trainer_hooks.MULTIHOST_SETTINGS), *extra]
 
 

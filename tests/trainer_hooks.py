@@ -29,7 +29,7 @@ def load_config_file(name: str, recipe: str = "") -> ConfigDict:
   return module.get_config(recipe) if recipe else module.get_config()
 
 
-# configs/tiny_eagle3.py made small and quiet, with the stand-in plugged in.
+# configs/tiny.py:eagle3 made small and quiet, with the stand-in plugged in.
 TINY_OVERRIDES = {
     "num_steps": 12, "log_every_steps": 2, "checkpoint.every_steps": 4,
     "data.num_examples": 64, "data.seq_len": 32, "progress_bar": False, "tensorboard": False,
@@ -45,11 +45,12 @@ def _set(c: ConfigDict, dotted: str, value) -> None:
 
 
 def tiny_config(*, recipe: str = "", hooks: str = STANDIN, **overrides) -> ConfigDict:
-  """configs/tiny_eagle3.py, small and quiet, with the stand-in plugged in.
+  """configs/tiny.py:eagle3 (`recipe`: "" or "loop"), small and quiet, with the stand-in
+  plugged in.
 
   `overrides`: config keys with `__` for dots (`checkpoint__every_steps=2`).
   """
-  c = load_config_file("tiny_eagle3.py", recipe)
+  c = load_config_file("tiny.py", f"eagle3_{recipe}" if recipe else "eagle3")
   c.hooks = hooks
   for key, value in TINY_OVERRIDES.items():
     _set(c, key, value)
@@ -69,7 +70,7 @@ MULTIHOST_SETTINGS = {"log_every_steps": 1, "mesh__data": 1, "mesh__fsdp": 8,
 
 
 def tiny_flags(**overrides) -> list[str]:
-  """The `--config.*` flags that make `python -m train --config configs/tiny_eagle3.py`
+  """The `--config.*` flags that make `python -m train --config configs/tiny.py:eagle3`
   run `tiny_config(**overrides)`."""
   settings = dict(TINY_OVERRIDES, hooks=STANDIN)
   settings.update({k.replace("__", "."): v for k, v in overrides.items()})
