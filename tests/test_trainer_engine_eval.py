@@ -151,8 +151,8 @@ def test_eval_decoding_takes_every_decoding_field_and_refuses_others():
   assert dict(c.eval.decoding) == {}
   overrides = dict(mode="sd", block_size=2, gate=-1.25, max_stages=4, schedule="cost",
                    confidence="probability", tree_budget=0, fixed_width=7, draft_backoff=3,
-                   costs="calibrate", width_tolerance=0.1, lookup="prompt",
-                   lookup_min_match=3, lookup_max_probability=0.25, profile="gpu",
+                   costs="calibrate", calibration="table.json", width_tolerance=0.1,
+                   lookup="prompt", lookup_min_match=3, lookup_max_probability=0.25, profile="gpu",
                    allow_inexact=False, sampling=engine_eval.EVAL_DECODING.sampling)
   assert set(overrides) == decoding_config.FIELDS  # every field, tried below
   for key, value in overrides.items():
