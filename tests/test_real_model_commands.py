@@ -64,7 +64,7 @@ def bench(tmp_path_factory):
        "--prompts-per-category", "2", "--max-new-tokens", str(MAX_NEW), "--modes", "dloop",
        "--weights", "f32", "--fixed-widths", "",
        "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf,auto",
-       "--sweep-max-stages=3",
+       "--sweep-costs", "machine,gpu", "--sweep-max-stages=3",
        "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -95,11 +95,10 @@ def test_benchmark_writes_results_table_and_plots(bench):
         row["modeled_tokens_per_step"] / ar["modeled_tokens_per_step"]), method
   sweep = result["sweep"]
   inf = float("inf")
-  # gate="auto" (the shipped drafter's calibration) with this machine's costs and the gpu
-  # profile's.
-  assert sorted((str(p["gate"]), p["max_stages"], p["costs"]) for p in sweep) == [
-      ("-inf", 3, "this machine"), ("auto", 3, "gpu profile"), ("auto", 3, "this machine"),
-      ("inf", 3, "this machine")]
+  # Every gate, gate="auto" (the shipped drafter's calibration) included, under this
+  # machine's costs and the gpu profile's.
+  assert sorted((str(p["gate"]), p["max_stages"], p["costs"]) for p in sweep) == sorted(
+      (g, 3, costs) for g in ("-inf", "inf", "auto") for costs in ("machine", "gpu"))
   for point in sweep:
     assert point["lossless_vs_ar"] == point["prompts"], point  # identical, or after a near-tie
     # g = -inf drafts S_max stages every round but the lookup's (one stage: the sweep

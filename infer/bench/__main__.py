@@ -130,9 +130,12 @@ def _parse(argv):
   p.add_argument("--sweep", action="store_true",
                  help="also sweep DLoop's gate and S_max (writes gate_sweep.png)")
   p.add_argument("--sweep-gates", type=_gates, default=_gates("-2,-1,-0.75,-0.5,-0.25,0"),
-                 help="gates of the sweep: numbers and / or auto (the calibrated rule; it runs"
-                      " twice, with this machine's cost table and with the gpu profile's, the"
-                      " modeled accelerator's)")
+                 help="gates of the sweep: numbers and / or auto (the calibrated rule)")
+  p.add_argument("--sweep-costs", type=_names, default=["machine"],
+                 help="cost tables the sweep runs every gate under: machine (this machine's,"
+                      " as the main run) and / or gpu (the gpu profile's nearly flat table:"
+                      " the accelerator the modeled speedup stands for, for the scheduler"
+                      " and gate auto alike)")
   p.add_argument("--sweep-max-stages", type=_ints, default=_ints("2,3,4"))
   p.add_argument("--sweep-prompts", type=int, default=2,
                  help="prompts per category of the main run reused by the sweep")
@@ -150,7 +153,10 @@ def _parse(argv):
                            " verifies whole)",
                 costs="JSON cost table for the scheduler (default: $DLOOP_COSTS, else the"
                       " target's cached table, measured on first use)"))
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if not args.sweep_costs or set(args.sweep_costs) - {"machine", "gpu"}:
+    p.error(f"--sweep-costs takes machine and / or gpu, got {','.join(args.sweep_costs)!r}")
+  return args
 
 
 def _lookups(given: list[str] | None, sampling) -> list[str]:
@@ -625,11 +631,10 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
   keys = {(p.category, p.id) for p, _ in chosen}
   ar = [r for r in records if r["method"] == "ar" and (r["category"], r["prompt_id"]) in keys]
   ar_tokens = {(r["category"], r["prompt_id"]): r["tokens"] for r in ar}
-  # gate="auto" runs with this machine's table and with the gpu profile's (flat: the
-  # accelerator the modeled speedup assumes), so its accelerator figure is the rule's there.
-  gates = [(g, None) for g in args.sweep_gates]
-  if arguments.AUTO_GATE in args.sweep_gates:
-    gates.append((arguments.AUTO_GATE, costs_lib.default_table("gpu")))
+  # Under the gpu profile's table (flat: the accelerator the modeled speedup assumes) the
+  # scheduler and gate="auto" decide as they would there, so the modeled figure is theirs.
+  tables = {"machine": None, "gpu": costs_lib.default_table("gpu")}
+  gates = [(g, name, tables[name]) for name in args.sweep_costs for g in args.sweep_gates]
   points = []
   for label, d in drafters:
     # The gate alone: every round drafts (no back-off), the scheduler and the
@@ -640,7 +645,7 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
         target=target.model, drafter=d, drafter_label=label, **common)
     for s_max in args.sweep_max_stages:
       # `timed_run` repeats a run that compiled (once per S_max: the gate is traced).
-      for g, table in gates:
+      for g, costs_name, table in gates:
         changes = dict(gate=g, max_stages=s_max) | ({"costs": table} if table else {})
         recs = []
         for p, ids in chosen:
@@ -651,7 +656,6 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
         # The same aggregation as the main table, over these prompts and their ar runs.
         row = next(r for r in report.summarize(ar + recs)
                    if r["category"] == report.OVERALL and r["method"] == m.method_name)
-        costs_name = "gpu profile" if table else "this machine"
         point = dict(drafter=label, gate=g, max_stages=s_max, prompts=len(recs),
                      costs=costs_name,
                      identical_to_ar=sum(bool(r["identical_to_ar"]) for r in recs),
@@ -660,8 +664,9 @@ def _sweep(args, prompts, records, drafters, target, base, common, methods_lib) 
                                             "modeled_speedup", "acceptance_length",
                                             "stages_per_round", "multi_stage_fraction")})
         points.append(point)
-        name = f"{g:+.2f}" if g != arguments.AUTO_GATE else f"auto ({costs_name}'s costs)"
-        _log(f"[sweep {label}] S_max {s_max} g {name}: τ {point['acceptance_length']:.2f},"
+        name = f"{g:+.2f}" if g != arguments.AUTO_GATE else "auto"
+        _log(f"[sweep {label}] S_max {s_max} g {name} ({costs_name} costs): τ"
+             f" {point['acceptance_length']:.2f},"
              f" {point['stages_per_round']:.2f} stages/round,"
              f" speedup {point['speedup_vs_ar']:.2f}×, modeled accelerator"
              f" {point['modeled_speedup']:.2f}×, {point['identical_to_ar']}/{len(recs)}"

@@ -165,16 +165,16 @@ def plot_speedups(rows: Sequence[dict], path: str) -> None:
 
 
 def plot_sweep(points: Sequence[dict], path: str) -> None:
-  """tau, speedup and the modeled accelerator speedup against the gate g, one line per S_max
-  (and drafter); gate="auto" as a horizontal line of the same color (dashed: this machine's
-  costs, dotted: the gpu profile's)."""
+  """tau, speedup and the modeled accelerator speedup against the gate g, one line per
+  drafter, S_max and cost table (dotted: the gpu profile's); gate="auto" as a dashed
+  horizontal line of its series' color."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   series = collections.defaultdict(list)
   for p in points:
-    series[(p["drafter"], p["max_stages"])].append(p)
+    series[(p["drafter"], p["max_stages"], p.get("costs", "machine"))].append(p)
   numeric = [p for p in points if not isinstance(p["gate"], str)]
   # g = -inf (always draft S_max stages) is drawn one step left of the finite gates.
   finite = sorted({p["gate"] for p in numeric if math.isfinite(p["gate"])}) or [0.0]
@@ -185,19 +185,18 @@ def plot_sweep(points: Sequence[dict], path: str) -> None:
     return minus_inf_at if gate == -math.inf else gate
 
   keys = ("acceptance_length", "speedup_vs_ar", "modeled_speedup")
-  for (drafter, s_max), pts in sorted(series.items()):
+  for (drafter, s_max, costs), pts in sorted(series.items()):
     fixed = sorted((p for p in pts if not isinstance(p["gate"], str)), key=lambda p: p["gate"])
-    label = f"{drafter}, S_max={s_max}"
+    label = f"{drafter}, S_max={s_max}, {costs} costs"
     color = None
     for ax, key in zip(axes, keys):
-      line, = ax.plot([x_of(p["gate"]) for p in fixed], [p[key] or 0.0 for p in fixed], "o-",
-                      label=label, color=color)
+      line, = ax.plot([x_of(p["gate"]) for p in fixed], [p[key] or 0.0 for p in fixed],
+                      "o-" if costs == "machine" else "s:", label=label, color=color)
       color = line.get_color()
       for p in pts:
         if isinstance(p["gate"], str):
-          style = ":" if p.get("costs") == "gpu profile" else "--"
-          ax.axhline(p[key] or 0.0, color=color, linestyle=style, linewidth=1,
-                     label=f"{label}, auto ({p.get('costs', 'this machine')}'s costs)")
+          ax.axhline(p[key] or 0.0, color=color, linestyle="--", linewidth=1,
+                     label=f"{label}: auto")
   has_minus_inf = any(p["gate"] == -math.inf for p in numeric)
   names = ("acceptance length τ", "speedup vs autoregressive (this machine)",
            "modeled accelerator speedup")
