@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -92,7 +93,7 @@ def test_json_round_trip_and_errors(tmp_path):
     np.testing.assert_allclose(getattr(back, name), getattr(t, name), atol=1e-6)
   path = tmp_path / "table.json"
   path.write_text(json.dumps(t.to_json()))
-  assert set(calibration.load(path)) == {"probability"}
+  assert set(calibration.load(path)) == {"probability/gamma3"}
   good = t.to_json()
   bad = {
       "shape": dict(good, full=good["full"][:1]),
@@ -109,8 +110,8 @@ def test_json_round_trip_and_errors(tmp_path):
     with pytest.raises(ConfigError):
       calibration.tables_from_json({"probability": data})
     del what
-  with pytest.raises(ConfigError, match="holds a table of score"):
-    calibration.tables_from_json({"learned": good})
+  # Tables are named by their score and gamma, whatever their key.
+  assert set(calibration.tables_from_json({"any": good})) == {"probability/gamma3"}
   with pytest.raises(ConfigError):
     calibration.tables_from_json([good])
 
@@ -261,9 +262,9 @@ def test_export_load_attaches_the_table(tiny, tmp_path):
                                    calibration={"probability": table})
   loaded = drafter_io.load_drafter(path, target=tiny)
   got = calibration.of(loaded)
-  assert set(got) == {"probability"}
-  np.testing.assert_allclose(got["probability"].full, table.full, atol=1e-6)
-  assert calibration.resolve(None, drafter=loaded, score="probability") is not None
+  assert set(got) == {"probability/gamma3"}
+  np.testing.assert_allclose(got["probability/gamma3"].full, table.full, atol=1e-6)
+  assert calibration.resolve(None, drafter=loaded, score="probability", block_size=3) is not None
 
   # Written into an export without one: the rest of drafter.json is kept.
   plain = drafter_io.export_drafter(drafter, tmp_path / "plain", target_name="tiny")
@@ -273,9 +274,16 @@ def test_export_load_attaches_the_table(tiny, tmp_path):
   assert drafter_io.write_calibration(plain, {"probability": table}) == info_path
   after = json.load(open(info_path))
   assert {k: v for k, v in after.items() if k != "calibration"} == before
-  assert set(calibration.of(drafter_io.load_drafter(plain, target=tiny))) == {"probability"}
+  # Another gamma is added, the same score and gamma replaced.
+  two = calibration.from_samples(scores=[[-1.0]], accepted=[[1]], block_size=2,
+                                 score="probability", source="gamma 2")
+  drafter_io.write_calibration(plain, [two, dataclasses.replace(table, source="again")])
+  got = calibration.of(drafter_io.load_drafter(plain, target=tiny))
+  assert {k: t.source for k, t in got.items()} == {"probability/gamma3": "again",
+                                                   "probability/gamma2": "gamma 2"}
 
-  after["calibration"]["probability"]["full"] = [[0.5]]
+  after = json.load(open(info_path))
+  after["calibration"]["probability/gamma3"]["full"] = [[0.5]]
   with open(info_path, "w") as f:
     json.dump(after, f)
   with pytest.raises(ConfigError, match=f"{info_path}.*calibration"):

@@ -20,7 +20,8 @@ and shared by the drafters.
 
 --write stores the tables in the export's drafter.json ("calibration"; for a
 shipped drafter, the one under dloop_jax/drafters/weights/), where
-`load_drafter` finds them.
+`load_drafter` finds them: a table of the same score and gamma is replaced,
+tables of other gammas (--block-size) are kept.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
   # Heavy imports after the arguments are checked.
   # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import calibration as calibration_lib
   from dloop_jax.drafters import io as drafter_io
   from dloop_jax.errors import ConfigError, DLoopError
   from dloop_jax.models import load_target
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
       log(f"[calibrate] {name}: measured in {time.perf_counter() - start:.0f}s")
       for table in tables.values():
         print(f"\n{name}, {table.format()}\n", flush=True)
-      out[name] = {score: table.to_json() for score, table in tables.items()}
+      out[name] = {key: table.to_json() for key, table in calibration_lib.named(tables).items()}
       if args.write:
         log(f"[calibrate] wrote {drafter_io.write_calibration(name, tables)}")
   except (DLoopError, OSError) as e:

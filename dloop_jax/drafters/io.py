@@ -5,10 +5,11 @@ An export is a directory:
     drafter.json   format version, drafter kind / name / config, taps, block
                    size, the target it belongs to (name + fingerprint),
                    training metrics, the name, shape and dtype of every array,
-                   and optionally "calibration": {score: table}, what its
-                   stages yield by their score (`decoding.calibration`,
-                   measured by `python -m train.calibrate`), which
-                   `load_drafter` attaches to the drafter
+                   and optionally "calibration": {name: table}, what its
+                   stages yield by their score, per score and gamma
+                   (`decoding.calibration`, measured by `python -m
+                   train.calibrate`), which `load_drafter` attaches to the
+                   drafter
     arrays/        Orbax checkpoint {"params": {name: array}, "model_state": {...}}
                    trainable weights (nnx.Param) stored in bfloat16, other
                    non-frozen variables (e.g. vocabulary maps) as they are;
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -115,7 +116,8 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
                    extra: Mapping[str, Any] | None = None,
                    format: str = "dloop",  # pylint: disable=redefined-builtin
                    weights: str = "bfloat16",
-                   calibration: Mapping[str, calibration_lib.Calibration] | None = None
+                   calibration: (Mapping[str, calibration_lib.Calibration]
+                                 | Sequence[calibration_lib.Calibration] | None) = None
                    ) -> str:
   """Writes `drafter` (weights + config + its target's identity) to `path`.
 
@@ -135,8 +137,9 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
     weights: "bfloat16" or "int8" (matrices as int8 groups of `INT8_GROUP`
       values with a float32 scale each, about half the bytes; read back as
       bfloat16). "dloop" format only.
-    calibration: {score: table} stored with it (`decoding.calibration`);
-      "dloop" format only (the Hugging Face layouts have no place for it).
+    calibration: tables stored with it (`decoding.calibration`: a mapping or
+      sequence of them); "dloop" format only (the Hugging Face layouts have
+      no place for them).
 
   Returns:
     The export directory.
@@ -209,23 +212,30 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
   return path
 
 
-def _calibration_json(tables: Mapping[str, calibration_lib.Calibration]) -> dict[str, Any]:
-  return {name: table.to_json() for name, table in tables.items()}
+def _calibration_json(tables) -> dict[str, Any]:
+  return {name: table.to_json() for name, table in calibration_lib.named(tables).items()}
 
 
 def write_calibration(name_or_path: str | os.PathLike,
-                      tables: Mapping[str, calibration_lib.Calibration]) -> str:
-  """Stores `tables` ({score: table}) as the "calibration" of an export's `drafter.json`.
+                      tables: (Mapping[str, calibration_lib.Calibration]
+                               | Sequence[calibration_lib.Calibration])) -> str:
+  """Adds `tables` to the "calibration" of an export's `drafter.json`.
 
-  The rest of the file is kept; it is replaced atomically. Returns its path.
+  A table of the same score and gamma is replaced, the others are kept (a
+  malformed entry is replaced whole); the rest of the file is kept. The file
+  is replaced atomically. Returns its path.
   """
   if is_hf_dir(name_or_path):
     raise ConfigError(f"{os.fspath(name_or_path)} is a Hugging Face drafter directory: it has"
                       f" no {INFO_FILE} to store a calibration in; export it first.")
   path = resolve(name_or_path)
   info = read_info(path)
-  info["calibration"] = _calibration_json(tables)
   info_path = os.path.join(path, INFO_FILE)
+  try:
+    old = read_calibration(info, source=info_path)
+  except ConfigError:
+    old = {}
+  info["calibration"] = _calibration_json(calibration_lib.merged(old, tables))
   tmp = info_path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(info, f, indent=1, sort_keys=True)
@@ -235,7 +245,7 @@ def write_calibration(name_or_path: str | os.PathLike,
 
 def read_calibration(info: Mapping[str, Any], *, source: str
                      ) -> dict[str, calibration_lib.Calibration]:
-  """{score: table} of an export's `drafter.json` ({} when it has none)."""
+  """{name: table} of an export's `drafter.json` ({} when it has none)."""
   try:
     return calibration_lib.tables_from_json(info.get("calibration"))
   except ConfigError as e:
