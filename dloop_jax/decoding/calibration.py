@@ -28,10 +28,13 @@ with the weight of `PRIOR` samples, so bins with few samples (or none) say
 what the row says on average instead of 0/0; the standard errors are those of
 the binned means (binomial for `full`, the sample's for the others).
 
-A drafter's table travels in its export (`drafter.json`, key "calibration":
-one table per score, "probability" and, for drafters with a learned
-confidence head, "learned"); `load_drafter` attaches it to the drafter
-(`attach`, `of`). `DecodingConfig(calibration=...)` overrides it.
+A drafter's tables travel in its export (`drafter.json`, key "calibration":
+one table per score and gamma, named "probability/gamma4" (`name_of`); a
+drafter with a learned confidence head also has "learned/gamma4"), as many
+gammas as were measured (`python -m train.calibrate --block-size`);
+`load_drafter` attaches them to the drafter (`attach`, `of`), and the engine
+reads the one of the round's gamma. `DecodingConfig(calibration=...)`
+overrides them.
 """
 
 from __future__ import annotations
@@ -249,23 +252,34 @@ def from_samples(*, scores: np.ndarray, accepted: np.ndarray, block_size: int, s
   return Calibration(block_size=int(block_size), score=score, source=source, **out)
 
 
+def name_of(table: Calibration) -> str:
+  """A table's name in an export: its score and gamma ("probability/gamma4")."""
+  return f"{table.score}/gamma{table.block_size}"
+
+
+def named(tables: Mapping[str, Calibration] | Sequence[Calibration]) -> dict[str, Calibration]:
+  """{`name_of`: table} of tables given as a mapping or a sequence."""
+  values = tables.values() if isinstance(tables, Mapping) else tables
+  return {name_of(t): t for t in values}
+
+
+def merged(old: Mapping[str, Calibration], new: Mapping[str, Calibration] | Sequence[Calibration]
+           ) -> dict[str, Calibration]:
+  """`old` with `new` added: a table of the same score and gamma replaced, the others kept."""
+  return {**named(old), **named(new)}
+
+
 def tables_from_json(data: Mapping[str, Any] | None) -> dict[str, Calibration]:
-  """{score: table} of an export's "calibration" entry (None: no table)."""
+  """{name: table} of an export's "calibration" entry (None: no table)."""
   if data is None:
     return {}
   if not isinstance(data, Mapping):
-    raise ConfigError("An export's 'calibration' must map a score name to a table.")
-  tables = {}
-  for name, table in data.items():
-    tables[name] = Calibration.from_json(table)
-    if tables[name].score != name:
-      raise ConfigError(f"An export's calibration {name!r} holds a table of score"
-                        f" {tables[name].score!r}.")
-  return tables
+    raise ConfigError("An export's 'calibration' must map a table's name to the table.")
+  return named([Calibration.from_json(table) for table in data.values()])
 
 
 def load(path: str | os.PathLike) -> dict[str, Calibration]:
-  """{score: table} from a JSON file: one table, or {score: table}."""
+  """{name: table} from a JSON file: one table, or {name: table}."""
   try:
     with open(path) as f:
       data = json.load(f)
@@ -274,8 +288,7 @@ def load(path: str | os.PathLike) -> dict[str, Calibration]:
   except (OSError, json.JSONDecodeError) as e:
     raise ConfigError(f"Calibration file {os.fspath(path)!r} could not be read: {e}.") from None
   if isinstance(data, Mapping) and data.get("format") == FORMAT:
-    table = Calibration.from_json(data)
-    return {table.score: table}
+    return named([Calibration.from_json(data)])
   return tables_from_json(data)
 
 
@@ -284,32 +297,38 @@ def load(path: str | os.PathLike) -> dict[str, Calibration]:
 _ATTACHED: "weakref.WeakKeyDictionary[Any, dict[str, Calibration]]" = weakref.WeakKeyDictionary()
 
 
-def attach(drafter: Any, tables: Mapping[str, Calibration]) -> None:
-  """Keeps `tables` ({score: table}) as `drafter`'s calibration."""
-  _ATTACHED[drafter] = dict(tables)
+def attach(drafter: Any, tables: Mapping[str, Calibration] | Sequence[Calibration]) -> None:
+  """Keeps `tables` as `drafter`'s calibration."""
+  _ATTACHED[drafter] = named(tables)
 
 
 def of(drafter: Any) -> dict[str, Calibration]:
-  """{score: table} attached to `drafter` ({} when none)."""
+  """{name: table} attached to `drafter` ({} when none)."""
   try:
     return dict(_ATTACHED.get(drafter, {}))
   except TypeError:  # an object that cannot be weakly referenced
     return {}
 
 
-def resolve(value: Any, *, drafter: Any, score: str) -> Calibration | None:
-  """The table `gate="auto"` reads: `value` (a Calibration, {score: table} or a
-  JSON path) or, when None, the drafter's own; None when there is none."""
+def resolve(value: Any, *, drafter: Any, score: str, block_size: int) -> Calibration | None:
+  """The table `gate="auto"` reads for stages of `block_size` drafts scored by `score`:
+  from `value` (a Calibration, a mapping or sequence of them, or a JSON path) or, when
+  None, the drafter's own; a "learned" score falls back to the "probability" table (the
+  engine then scores with probabilities). None when there is none."""
   if value is None:
     tables = of(drafter)
   elif isinstance(value, Calibration):
-    tables = {value.score: value}
-  elif isinstance(value, Mapping):
-    tables = dict(value)
+    tables = named([value])
+  elif isinstance(value, (Mapping, list, tuple)):
+    tables = named(value)
   elif isinstance(value, (str, os.PathLike)):
     tables = load(value)
   else:
-    raise ConfigError("calibration must be None (the drafter's own), a Calibration, a"
-                      " {score: Calibration} mapping or the path of a JSON table, got"
+    raise ConfigError("calibration must be None (the drafter's own), a Calibration, a mapping"
+                      " or sequence of them, or the path of a JSON table, got"
                       f" {type(value).__name__}.")
-  return tables.get(score) or (tables.get("probability") if score == "learned" else None)
+  for wanted in ((score, "probability") if score == "learned" else (score,)):
+    for table in tables.values():
+      if table.score == wanted and table.block_size == block_size:
+        return table
+  return None

@@ -122,13 +122,14 @@ class DecodingConfig:
 
 
 def calibration_table(config: DecodingConfig, *, drafter) -> "calibration_lib.Calibration | None":
-  """The calibration gate="auto" reads: the config's or the drafter's, for the score the
-  engine gives it (the learned confidence where the scheduler uses it, else the
-  drafter's probabilities)."""
+  """The calibration gate="auto" reads (`config` resolved): the config's or the drafter's,
+  for its block size and the score the engine gives it (the learned confidence where the
+  scheduler uses it, else the drafter's probabilities)."""
   learned = (config.confidence != "probability" and drafter is not None
              and drafter.has_confidence)
   return calibration_lib.resolve(config.calibration, drafter=drafter,
-                                 score="learned" if learned else "probability")
+                                 score="learned" if learned else "probability",
+                                 block_size=config.block_size)
 
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(DecodingConfig))
@@ -192,10 +193,11 @@ def resolve(config: DecodingConfig, *, target, drafter=None) -> DecodingConfig:
   if c.mode == "dloop" and c.gate == arguments.AUTO_GATE and calibration_table(
       c, drafter=drafter) is None:
     raise ConfigError(
-        f"gate='auto' reads the drafter's calibration table, and drafter"
-        f" {getattr(drafter, 'name', '?')!r} has none: measure it with `python -m train.calibrate"
-        " --drafters NAME_OR_PATH --write` (stored in its drafter.json), pass calibration=... (a"
-        " table or its JSON file), or give gate a number.")
+        f"gate='auto' reads the drafter's calibration table for stages of"
+        f" block_size={c.block_size} drafts, and drafter {getattr(drafter, 'name', '?')!r} has"
+        f" none: measure it with `python -m train.calibrate --drafters NAME_OR_PATH"
+        f" --block-size {c.block_size} --write` (stored in its drafter.json), pass"
+        " calibration=... (a table or its JSON file), or give gate a number.")
   if c.draft_backoff is None:
     cost = c.mode != "ar" and c.schedule == "cost"
     c = dataclasses.replace(c, draft_backoff=DEFAULT_DRAFT_BACKOFF if cost else 0)
