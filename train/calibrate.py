@@ -32,14 +32,13 @@ import os
 import sys
 import time
 
+from train import drafter_flags
+
 
 def _parse(argv):
   p = argparse.ArgumentParser(prog="python -m train.calibrate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--drafters", required=True,
-                 help="comma-separated shipped drafter names, export directories or workdirs")
-  p.add_argument("--target", default="smollm2-135m-instruct",
-                 help="the target: registry name, .gguf or HF directory")
+  drafter_flags.add(p)
   p.add_argument("--weights", choices=("f32", "bf16"), default="f32",
                  help="the target's weight storage")
   p.add_argument("--prompts-per-category", type=int, default=8,

@@ -45,6 +45,8 @@ import os
 import sys
 import time
 
+from train import drafter_flags
+
 
 # The decoding options this command takes, named after `DecodingConfig`'s fields.
 DECODING_FLAGS = ("gate", "block_size", "max_stages", "fixed_width", "tree_budget", "schedule",
@@ -58,10 +60,7 @@ def _parse(argv):
   # pylint: enable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--drafters", required=True,
-                 help="comma-separated shipped drafter names, export directories or workdirs")
-  p.add_argument("--target", default="smollm2-135m-instruct",
-                 help="the target: registry name, .gguf or HF directory")
+  drafter_flags.add(p)
   p.add_argument("--heads-off", action="store_true",
                  help="also measure each drafter with each of its heads switched off")
   p.add_argument("--prompts", default="bench",
