@@ -163,6 +163,8 @@ def test_cli_zero_max_new_tokens(tiny_gguf):
 
 @pytest.mark.real_model
 def test_cli_prompt_too_long():
-  """Asking for more tokens than the default model's context: the sizes are printed."""
+  """Asking for more tokens than the default model's context: the sizes are printed (before
+  the target loads: test_infer_defaults.py)."""
   _assert_clean_error(_infer("--mode", "ar", "--max-new-tokens", "100000", "--prompt", "Hi"),
-                      r"plus max_new_tokens=100000 exceeds the context window of \d+ tokens")
+                      r"--max-new-tokens 100000 leaves no room for a prompt in the context"
+                      r" window of \d+ tokens")

@@ -64,7 +64,7 @@ def bench(tmp_path_factory):
        "--prompts-per-category", "2", "--max-new-tokens", str(MAX_NEW), "--modes", "dloop",
        "--weights", "f32", "--fixed-widths", "",
        "--schedules", "cost", "--sweep", "--sweep-gates=-inf,inf,auto",
-       "--sweep-costs", "machine,gpu", "--sweep-max-stages=3",
+       "--sweep-max-stages=3",
        "--sweep-prompts", "1", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -96,9 +96,9 @@ def test_benchmark_writes_results_table_and_plots(bench):
   sweep = result["sweep"]
   inf = float("inf")
   # Every gate, gate="auto" (the shipped drafter's calibration) included, under this
-  # machine's costs and the gpu profile's.
+  # machine's costs (the gpu profile's would compile other verification widths).
   assert sorted((str(p["gate"]), p["max_stages"], p["costs"]) for p in sweep) == sorted(
-      (g, 3, costs) for g in ("-inf", "inf", "auto") for costs in ("machine", "gpu"))
+      (g, 3, "machine") for g in ("-inf", "inf", "auto"))
   for point in sweep:
     assert point["lossless_vs_ar"] == point["prompts"], point  # identical, or after a near-tie
     # g = -inf drafts S_max stages every round but the lookup's (one stage: the sweep
