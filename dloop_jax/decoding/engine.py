@@ -421,8 +421,8 @@ def _decode(static: _Static, target_state, drafter_state_params, prompts, prompt
             min_match=s.lookup_min_match, max_probability=s.lookup_max_probability))
         going = going & ~looked_up
       if s.mode == "dloop":
-        learned = (None if drafted.confidence is None else gate_lib.stage_confidence(
-            jnp.log(jnp.maximum(drafted.confidence.astype(jnp.float32), 1e-30))))
+        learned = (None if drafted.confidence is None else
+                   gate_lib.learned_stage_confidence(drafted.confidence))
         more, outlook = gate_lib.decide(
             gate, outlook, score=gate_lib.stage_confidence(drafted.logprobs),
             learned_score=learned, stages_done=stage + 1, max_stages=s.max_stages)
@@ -637,9 +637,16 @@ def _prepare(
   stop_array = np.full((static.stop_slots,), -1, np.int32)  # -1 matches no token
   stop_array[:len(stops)] = stops
   key = jax.random.key(seed) if isinstance(seed, int) else seed
+  # One cost table for the scheduler and gate="auto" (read, or measured, once).
+  auto = static.mode == "dloop" and config.gate == arguments.AUTO_GATE
+  table = None
+  if static.schedule == "cost" or auto:
+    needed = set(_gate_widths(static) if auto else ()) | set(
+        static.widths if static.schedule == "cost" else ())
+    table = costs_lib.resolve_table(config.costs, target=target, batch_size=len(prompts),
+                                    widths=sorted(needed | {1}), profile=config.profile)
   if static.schedule == "cost":
-    cost = costs_lib.resolve(config.costs, target=target, batch_size=len(prompts),
-                             widths=static.widths, profile=config.profile)
+    cost = table.at(static.widths)
     keep = schedule_lib.choosable_widths(static.widths, [float(c) for c in cost],
                                          tolerance=config.width_tolerance)
     if keep != static.widths:
@@ -647,7 +654,8 @@ def _prepare(
       static = dataclasses.replace(static, choosable=keep)
   else:
     cost = np.ones((len(static.widths),), np.float32)  # unused
-  gate = _gate(config, static=static, target=target, drafter=drafter, batch_size=len(prompts))
+  gate = _gate(config, static=static, target=target, drafter=drafter, batch_size=len(prompts),
+               table=table)
   args = (target_state, drafter_params, jnp.asarray(padded), jnp.asarray(lengths),
           jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_array), key,
           gate, jnp.asarray(cost, jnp.float32),
@@ -665,10 +673,16 @@ def _prepare(
   return static, args
 
 
+def _gate_widths(static: _Static) -> list[int]:
+  """The width of the forward that verifies s stages' drafts, s = 0..S_max."""
+  per_stage = static.tree_budget or static.block_size
+  return [static.fixed_width or 1 + n * per_stage for n in range(static.max_stages + 1)]
+
+
 def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
-          drafter: Drafter | None, batch_size: int) -> gate_lib.Gate:
-  """The gate's traced settings: dloop's threshold, or the calibrated rule with this
-  machine's costs (the forward verifying s stages' drafts, s = 0..S_max, and a drafting
+          drafter: Drafter | None, batch_size: int, table) -> gate_lib.Gate:
+  """The gate's traced settings: dloop's threshold, or the calibrated rule with the cost
+  `table`'s costs (the forward verifying s stages' drafts, `_gate_widths`, and a drafting
   stage, `costs.draft_stage_fraction` of a one-token forward: measured here when cached,
   measured now with costs="calibrate", else modeled; modeled with a profile's default
   table, which stands for another machine)."""
@@ -676,12 +690,8 @@ def _gate(config: DecodingConfig, *, static: _Static, target: Transformer,
   if static.mode != "dloop" or config.gate != arguments.AUTO_GATE:
     threshold = config.gate if static.mode == "dloop" else 0.0
     return gate_lib.Gate.create(threshold=threshold, max_stages=s_max)
-  per_stage = static.tree_budget or static.block_size
-  widths = [static.fixed_width or 1 + n * per_stage for n in range(s_max + 1)]
-  table_widths = sorted(set(widths) | {1})
-  table = costs_lib.resolve_table(config.costs, target=target, batch_size=batch_size,
-                                  widths=table_widths, profile=config.profile)
-  cost_at = dict(zip(table_widths, (float(c) for c in table.at(table_widths))))
+  widths = _gate_widths(static)
+  cost_at = dict(zip([1] + widths, (float(c) for c in table.at([1] + widths))))
   if costs_lib.is_assumed(table):
     # A profile's table stands for another machine: so does the modeled stage.
     fraction = costs_lib.modeled_draft_stage_fraction(drafter, target,
@@ -713,6 +723,15 @@ def _kernel_forms(target: Transformer):
   """The product forms of the whole program, drafter included: the target's
   (`models.cpu_kernels`)."""
   return cpu_kernels.use(cpu_kernels.resolve(target.cpu_kernels))
+
+
+@contextlib.contextmanager
+def program_context(target: Transformer):
+  """The context a program computing with `target` is traced and compiled in: the
+  engine's f32 precision and the target's product forms (`generate()`'s, and what a
+  measurement of the engine's numbers must use too)."""
+  with _matmul_precision(target), _kernel_forms(target):
+    yield
 
 
 def _split_options(config: DecodingConfig | None, kwargs: dict) -> tuple[DecodingConfig, dict]:
@@ -749,7 +768,7 @@ def decode_program(target: Transformer, prompts: Sequence[Sequence[int]], *,
   compiled = _COMPILED.get(static)
   if compiled is None:
     compilation_cache.ensure()
-    with _matmul_precision(target), _kernel_forms(target):
+    with program_context(target):
       compiled = jax.jit(_decode, static_argnums=0).lower(static, *args).compile()
     _COMPILED[static] = compiled
   return compiled, static
@@ -871,7 +890,7 @@ def generate(
   if compiled is None:
     compilation_cache.ensure()
     t0 = time.perf_counter()
-    with _matmul_precision(target), _kernel_forms(target):
+    with program_context(target):
       compiled = jax.jit(_decode, static_argnums=0).lower(static, *args).compile()
     compile_seconds = time.perf_counter() - t0
     _COMPILED[static] = compiled

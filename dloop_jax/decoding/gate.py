@@ -31,6 +31,17 @@ def stage_confidence(logprobs: jax.Array) -> jax.Array:
   return jnp.sum(logprobs.astype(jnp.float32), axis=-1)
 
 
+# The smallest learned confidence whose log is taken (a c_k of 0 would score -inf).
+MIN_CONFIDENCE = 1e-30
+
+
+def learned_stage_confidence(confidence: jax.Array) -> jax.Array:
+  """A stage's score from a drafter's learned confidences [B, gamma] (DSpark's head): the
+  sum of their logs, in f32; what gate="auto" reads for such a drafter and what its
+  calibration is measured with."""
+  return stage_confidence(jnp.log(jnp.maximum(confidence.astype(jnp.float32), MIN_CONFIDENCE)))
+
+
 def continue_drafting(confidence: jax.Array, *, gate: jax.Array | float,
                       stages_done: jax.Array | int, max_stages: int) -> jax.Array:
   """Whether each row drafts stage `stages_done + 1` before verifying.
@@ -48,7 +59,7 @@ def continue_drafting(confidence: jax.Array, *, gate: jax.Array | float,
   Returns:
     [B] bool.
   """
-  return confidence_passes(confidence, gate=gate) & (jnp.asarray(stages_done) < max_stages)
+  return (confidence >= gate) & (jnp.asarray(stages_done) < max_stages)
 
 
 # ----------------------------------------------------------------- gate="auto"
@@ -180,11 +191,7 @@ def decide(gate: Gate, outlook: Outlook, *, score: jax.Array, learned_score: jax
   auto_score = score if learned_score is None else jnp.where(gate.learned, learned_score, score)
   auto_more, outlook = calibrated_continue(gate, outlook, score=auto_score,
                                            stages_done=stages_done)
-  fixed_more = confidence_passes(score, gate=gate.threshold)
-  more = jnp.where(gate.auto, auto_more, fixed_more)
-  return more & (jnp.asarray(stages_done) < max_stages), outlook
-
-
-def confidence_passes(confidence: jax.Array, *, gate: jax.Array | float) -> jax.Array:
-  """[B] bool conf_s >= g."""
-  return confidence >= gate
+  fixed_more = continue_drafting(score, gate=gate.threshold, stages_done=stages_done,
+                                 max_stages=max_stages)
+  auto_more = auto_more & (jnp.asarray(stages_done) < max_stages)
+  return jnp.where(gate.auto, auto_more, fixed_more), outlook

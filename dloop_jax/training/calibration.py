@@ -29,7 +29,6 @@ positions in one commit (as the engine commits a verified round's tokens).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -42,12 +41,10 @@ import numpy as np
 from flax import nnx
 
 from dloop_jax.decoding import calibration as calibration_lib
+from dloop_jax.decoding import gate as gate_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.errors import ConfigError
-from dloop_jax.models import cpu_kernels
 
-# The smallest confidence whose log is taken (a learned c_k of 0 would score -inf).
-_MIN_CONFIDENCE = 1e-30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +115,6 @@ def answers(target: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   return out
 
 
-def _precision(target: Any):
-  """f32 products at full precision on accelerators, as the engine computes them."""
-  if (jax.default_backend() == "cpu"
-      or jnp.dtype(getattr(target, "dtype", jnp.float32)).itemsize < 4):
-    return contextlib.nullcontext()
-  return jax.default_matmul_precision("highest")
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def _walk(static: _Static, target_state, drafter_params, seq, prompt_lengths, lengths):
   """Per drafting step [steps, B, S]: accepted, probability score, learned score.
@@ -169,10 +158,9 @@ def _walk(static: _Static, target_state, drafter_params, seq, prompt_lengths, le
       leading = jnp.sum(jnp.cumprod(stage.tokens == truth, axis=1), axis=1)
       valid = n + (stage_index + 1) * gamma <= lengths - 1
       accepted.append(jnp.where(valid, leading, -1).astype(jnp.int32))
-      probability.append(jnp.sum(stage.logprobs.astype(jnp.float32), axis=1))
+      probability.append(gate_lib.stage_confidence(stage.logprobs))
       if s.learned:
-        conf = jnp.maximum(stage.confidence.astype(jnp.float32), _MIN_CONFIDENCE)
-        learned.append(jnp.sum(jnp.log(conf), axis=1))
+        learned.append(gate_lib.learned_stage_confidence(stage.confidence))
       else:
         learned.append(jnp.zeros((b,), jnp.float32))
     # Positions n .. n + k - 1 committed (the drafts at and past n dropped).
@@ -241,7 +229,7 @@ def stage_samples(target: Any, drafter: Any, prompts: Sequence[Sequence[int]],
     static = _Static(target_graph=target_graph, drafter_graph=drafter_graph, prompt_width=tp,
                      width=width, steps=steps, block_size=gamma, max_stages=int(max_stages),
                      stride=int(stride), learned=learned)
-    with _precision(target), cpu_kernels.use(cpu_kernels.resolve(target.cpu_kernels)):
+    with engine.program_context(target):
       accepted, probability, learned_score = jax.device_get(_walk(
           static, target_state, drafter_params, jnp.asarray(seq), jnp.asarray(prompt_lengths),
           jnp.asarray(lengths)))
