@@ -121,13 +121,7 @@ class CostTable:
 
   def save(self, path: str | os.PathLike) -> str:
     """Writes the table as JSON (the format `load` reads); returns the path."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-      json.dump(self.to_json(), f, indent=1, default=str)
-    os.replace(tmp, path)
-    return path
+    return _write_json(path, self.to_json())
 
   def format(self) -> str:
     """A readable table: width, ms, and the ratio to a 1-token forward."""
@@ -137,6 +131,32 @@ class CostTable:
       ratio = f"{c / one:.2f}" if one else "-"
       lines.append(f"{w:>5}  {c:>7.2f}  {ratio}")
     return "\n".join(lines)
+
+
+def _write_json(path: str | os.PathLike, data: Any) -> str:
+  """Writes `data` as JSON to `path` atomically (never a half-written file); returns it."""
+  path = os.fspath(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1, default=str)
+  os.replace(tmp, path)
+  return path
+
+
+def _median_ms(calls: Mapping[Any, Any], *, repeats: int) -> dict[Any, float]:
+  """Median milliseconds of each of `calls` ({name: () -> array}), after one warm-up call
+  each (compiles); the repeats go round-robin over the calls, so slow drift of the
+  machine spreads over all of them."""
+  for call in calls.values():
+    call().block_until_ready()
+  times: dict[Any, list[float]] = {name: [] for name in calls}
+  for _ in range(max(1, repeats)):
+    for name, call in calls.items():
+      t0 = time.perf_counter()
+      call().block_until_ready()
+      times[name].append((time.perf_counter() - t0) * 1e3)
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def load(path: str | os.PathLike) -> CostTable:
@@ -236,16 +256,9 @@ def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS
   rng = np.random.default_rng(0)
   inputs = {w: jnp.asarray(rng.integers(0, target.config.vocab_size, (batch_size, w)), jnp.int32)
             for w in widths}
-  for w in widths:  # compile, and one cold run
-    forward(state, inputs[w], cache).block_until_ready()
-  times: dict[int, list[float]] = {w: [] for w in widths}
-  for _ in range(max(1, repeats)):
-    for w in widths:
-      t0 = time.perf_counter()
-      forward(state, inputs[w], cache).block_until_ready()
-      times[w].append((time.perf_counter() - t0) * 1e3)
-  return CostTable(costs={w: statistics.median(t) for w, t in times.items()},
-                   key=cache_key(target, batch_size=batch_size))
+  costs = _median_ms({w: functools.partial(forward, state, inputs[w], cache) for w in widths},
+                     repeats=repeats)
+  return CostTable(costs=costs, key=cache_key(target, batch_size=batch_size))
 
 
 def for_target(target, *, batch_size: int, widths: Sequence[int] = (),
@@ -350,24 +363,12 @@ def measure_draft_stage(target, drafter, *, batch_size: int, block_size: int,
                          sampling=sampling_lib.GREEDY)[1].tokens
 
   state = committed(dparams)
-  stage(dparams, state).block_until_ready()
-  _forward(tgraph, tstate, token, cache).block_until_ready()
-  times = {"stage": [], "step": []}
-  for _ in range(max(1, repeats)):
-    t0 = time.perf_counter()
-    stage(dparams, state).block_until_ready()
-    times["stage"].append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    _forward(tgraph, tstate, token, cache).block_until_ready()
-    times["step"].append(time.perf_counter() - t0)
-  fraction = statistics.median(times["stage"]) / statistics.median(times["step"])
+  ms = _median_ms({"stage": functools.partial(stage, dparams, state),
+                   "step": functools.partial(_forward, tgraph, tstate, token, cache)},
+                  repeats=repeats)
+  fraction = ms["stage"] / ms["step"]
   key = _stage_key(target, drafter, batch_size=batch_size, block_size=block_size)
-  path = _path(key, directory)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump({"format": STAGE_FORMAT, "fraction": fraction, "key": key}, f, indent=1)
-  os.replace(tmp, path)
+  _write_json(_path(key, directory), {"format": STAGE_FORMAT, "fraction": fraction, "key": key})
   return fraction
 
 

@@ -205,11 +205,16 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
       **({"calibration": _calibration_json(calibration)} if calibration else {}),
   }
   if jax.process_index() == 0:
-    tmp = info_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(info, f, indent=1, sort_keys=True)
-    os.replace(tmp, info_path)
+    _write_info(info_path, info)
   return path
+
+
+def _write_info(info_path: str, info: Mapping[str, Any]) -> None:
+  """Replaces `drafter.json` atomically: a reader sees the old file or the new one."""
+  tmp = info_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(info, f, indent=1, sort_keys=True)
+  os.replace(tmp, info_path)
 
 
 def _calibration_json(tables) -> dict[str, Any]:
@@ -236,10 +241,7 @@ def write_calibration(name_or_path: str | os.PathLike,
   except ConfigError:
     old = {}
   info["calibration"] = _calibration_json(calibration_lib.merged(old, tables))
-  tmp = info_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(info, f, indent=1, sort_keys=True)
-  os.replace(tmp, info_path)
+  _write_info(info_path, info)
   return info_path
 
 
