@@ -73,7 +73,7 @@ def _parse(argv):
 
 
 def held_out_prompts(tokenizer, *, per_category: int, skip: int, limit: int,
-                     data_dir: str = "") -> list[list[int]]:
+                     data_dir: str = "") -> list[tuple[int, ...]]:
   """Token ids of the first `per_category` prompts of each benchmark category that fit
   `limit` tokens, after its first `skip` candidates."""
   # pylint: disable=g-import-not-at-top
@@ -85,15 +85,8 @@ def held_out_prompts(tokenizer, *, per_category: int, skip: int, limit: int,
   candidates = bench_prompts.load(bench_prompts.CATEGORIES,
                                   per_category=-(-(skip + per_category) // 2),
                                   data_dir=data_dir or None)
-  prompts, seen, taken = [], {}, {}
-  for row in candidates:
-    seen[row.category] = seen.get(row.category, 0) + 1
-    if seen[row.category] <= skip or taken.get(row.category, 0) >= per_category:
-      continue
-    ids = engine_eval._chat_ids(tokenizer, row.text)  # pylint: disable=protected-access
-    if len(ids) <= limit:
-      prompts.append(ids)
-      taken[row.category] = taken.get(row.category, 0) + 1
+  prompts = engine_eval.fitting_prompts(tokenizer, [(r.category, r.text) for r in candidates],
+                                        per_group=per_category, limit=limit, skip=skip)
   if not prompts:
     raise ConfigError(f"No held-out prompt after the first {skip} of each category fits"
                       f" {limit} tokens.")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,22 @@ def _chat_ids(tokenizer: Any, text: str) -> list[int]:
                                             add_generation_prompt=True))
 
 
+def fitting_prompts(tokenizer: Any, candidates: Iterable[tuple[str, str]], *, per_group: int,
+                    limit: int, skip: int = 0) -> list[tuple[int, ...]]:
+  """Chat-template token ids of the first `per_group` (group, text) candidates of each group
+  that fit `limit` tokens, after each group's first `skip` candidates."""
+  prompts, seen, taken = [], {}, {}
+  for group, text in candidates:
+    seen[group] = seen.get(group, 0) + 1
+    if seen[group] <= skip or taken.get(group, 0) >= per_group:
+      continue
+    ids = _chat_ids(tokenizer, text)
+    if len(ids) <= limit:
+      prompts.append(tuple(ids))
+      taken[group] = taken.get(group, 0) + 1
+  return prompts
+
+
 def _candidates(source: str, *, num_prompts: int, data_dir: str) -> list[tuple[str, str]]:
   """(group, text) pairs: "bench" groups by category, a file is one group."""
   if source == "bench":
@@ -127,12 +143,9 @@ def from_config(eval_config: Mapping[str, Any], *, target: Any, tokenizer: Any,
       raise ConfigError(f"eval.prompts={source!r} needs the target's tokenizer, and this target"
                         " has none; use eval.prompts='random'.")
     # The first `num_prompts` per group that fit (a file: its first ones).
-    prompts, taken = [], {}
-    for group, text in _candidates(source, num_prompts=n, data_dir=str(e["data_dir"])):
-      ids = _chat_ids(tokenizer, text)
-      if len(ids) <= limit and taken.get(group, 0) < n:
-        prompts.append(tuple(ids))
-        taken[group] = taken.get(group, 0) + 1
+    prompts = fitting_prompts(
+        tokenizer, _candidates(source, num_prompts=n, data_dir=str(e["data_dir"])),
+        per_group=n, limit=limit)
     stops = tuple(int(t) for t in getattr(tokenizer, "stop_token_ids", ()) or ())
   if not prompts:
     raise ConfigError(f"No eval prompt from {source!r} fits {limit} tokens (eval.max_prompt_tokens"
