@@ -48,10 +48,6 @@ def _names(text: str) -> list[str]:
   return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _floats(text: str) -> list[float]:
-  return [float(x) for x in _names(text)]
-
-
 def _gates(text: str) -> list[float | str]:
   from dloop_jax.decoding import arguments  # pylint: disable=g-import-not-at-top
   return [arguments.parse_gate(x) for x in _names(text)]
