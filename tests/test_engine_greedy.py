@@ -17,6 +17,7 @@ import pytest
 
 import drafter_fixtures
 from dloop_jax.decoding import SamplingConfig, engine, generate
+from dloop_jax.decoding import plan as plan_lib
 from lossless import assert_same_or_near_tie
 
 GATES = (-math.inf, -0.5, 0.0, math.inf)
@@ -146,10 +147,10 @@ def test_perturbed_partial_acceptance(tiny, drafters):
 
 def test_cache_ladder_grows_past_the_prompt_to_the_capacity():
   for prompt_width, capacity in [(16, 64), (48, 384), (512, 1024), (96, 3072), (1000, 1024)]:
-    ladder = engine.cache_ladder(prompt_width=prompt_width, capacity=capacity)
+    ladder = plan_lib.cache_ladder(prompt_width=prompt_width, capacity=capacity)
     assert ladder[-1] == capacity and list(ladder) == sorted(set(ladder))
     assert ladder[0] > min(prompt_width, capacity - 1)
-    assert len(ladder) <= engine.GROW_MAX_STEPS + 1
+    assert len(ladder) <= plan_lib.GROW_MAX_STEPS + 1
 
 
 def test_growing_cache_gives_the_same_tokens_and_taps(tiny):

@@ -38,19 +38,22 @@ when it is built (the gate is read first).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dloop_jax.decoding import deferred as deferred_lib
-from dloop_jax.decoding import draft_policy
 from dloop_jax.decoding import finish as finish_lib
 from dloop_jax.decoding import gate as gate_lib
+from dloop_jax.decoding import lookup as lookup_lib
 from dloop_jax.decoding import sampling as sampling_lib
 from dloop_jax.decoding import schedule as schedule_lib
 from dloop_jax.decoding import tree as tree_lib
+from dloop_jax.decoding import verify as verify_lib
+from dloop_jax.decoding.drafter import Drafter
+from dloop_jax.decoding.proposal import Proposal
 from dloop_jax.models import kv_cache as kv_lib
 from dloop_jax.models.transformer import Transformer
 
@@ -69,21 +72,20 @@ class Drafted:
   num_stages: jax.Array
 
 
-def stage_slots(*, budget: int, block_size: int, max_stages: int, dloop: bool) -> int:
+def stage_slots(*, budget: int, block_size: int, max_stages: int) -> int:
   """Node slots of one stage: B, and gamma more for the best path where a stage may continue."""
-  return budget + block_size if dloop and max_stages > 1 else budget
+  return budget + block_size if max_stages > 1 else budget
 
 
-def max_nodes(*, budget: int, block_size: int, max_stages: int, dloop: bool) -> tuple[int, ...]:
+def max_nodes(*, budget: int, block_size: int, max_stages: int) -> tuple[int, ...]:
   """The most nodes a round holds after s = 1..S_max stages: s * B + (s - 1) * gamma.
 
   Each stage but the last continued, so it kept its best path beside its top B.
   """
-  path = block_size if dloop else 0
-  return tuple(s * budget + (s - 1) * path for s in range(1, max_stages + 1))
+  return tuple(s * budget + (s - 1) * block_size for s in range(1, max_stages + 1))
 
 
-def draft(drafter, state, *, going: jax.Array, gate: gate_lib.Gate, dloop: bool, block_size: int,
+def draft(drafter, state, *, going: jax.Array, gate: gate_lib.Gate, block_size: int,
           max_stages: int, budget: int) -> tuple[Any, Drafted]:
   """Gated tree drafting: stage s + 1 grows from the end of stage s's best path.
 
@@ -91,13 +93,13 @@ def draft(drafter, state, *, going: jax.Array, gate: gate_lib.Gate, dloop: bool,
     drafter: a drafter with `supports_trees`.
     state: its state after the last commit.
     going: [B] rows that draft this round.
-    gate: DLoop's gate (`gate.Gate`; only with `dloop`).
+    gate: DLoop's gate (`gate.Gate`; read when S_max > 1).
     block_size: gamma.
-    max_stages: S_max (1 for sd).
+    max_stages: S_max (1: one stage, "sd").
     budget: B, nodes per stage.
   """
   b = going.shape[0]
-  slots = stage_slots(budget=budget, block_size=block_size, max_stages=max_stages, dloop=dloop)
+  slots = stage_slots(budget=budget, block_size=block_size, max_stages=max_stages)
   n = max_stages * slots
   empty = tree_lib.Tree(
       tokens=jnp.zeros((b, n), jnp.int32), parents=jnp.full((b, n), tree_lib.NO_PARENT, jnp.int32),
@@ -116,7 +118,7 @@ def draft(drafter, state, *, going: jax.Array, gate: gate_lib.Gate, dloop: bool,
     cands = (ts.candidates if ts.candidates is not None
              else tree_lib.beam(ts.logprobs,
                                 width=tree_lib.beam_width(budget, keeps_path=slots > budget)))
-    if dloop:
+    if max_stages > 1:
       # The best path's log q: the chain's stage confidence for marginals
       # (sum of the per-position maxima). The calibrated rule reads it as a
       # chain's: the tree's other paths only add to what it expects.
@@ -143,7 +145,7 @@ def draft(drafter, state, *, going: jax.Array, gate: gate_lib.Gate, dloop: bool,
       cond, body, (jnp.zeros((), jnp.int32), state, empty, zeros, going, no_node, zeros,
                    jnp.zeros((b,), jnp.float32), gate_lib.Outlook.start(b)))
   # The last stage never continues: its path slots are padding.
-  most = max_nodes(budget=budget, block_size=block_size, max_stages=max_stages, dloop=dloop)[-1]
+  most = max_nodes(budget=budget, block_size=block_size, max_stages=max_stages)[-1]
   tree = jax.tree.map(lambda x: x[:, :most], tree)
   return state, Drafted(tree=tree_lib.by_score(tree), num_stages=num_stages)
 
@@ -171,27 +173,16 @@ def verify(*, target: Transformer, taps: tuple[int, ...], cache: kv_lib.KVCache,
   mask = tree_lib.ancestor_mask(tree, max_depth=depth)  # [B, 1 + N, 1 + N]
   tokens = jnp.concatenate([pending[:, None], tree.tokens], axis=1)
   positions = tree_lib.positions(tree, start=cache.lengths)
-  full = tokens.shape[1]
 
-  def pad(x):
-    return jnp.pad(x, [(0, 0), (0, full - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  def forward(w: int):
+    # Read-only (write_cache=False): the path is written after the walk.
+    o = target(tokens[:, :w], positions=positions[:, :w], cache=cache,
+               block_mask=mask[:, :w, :w], taps=taps, write_cache=False)
+    chosen = tree_lib.target_tokens(key=key, logits=o.logits, sampling=sampling)
+    return (chosen, o.taps, o.new_kv), ()
 
-  def branch_fn(w: int):
-    def run():
-      # Read-only (write_cache=False): the path is written after the walk.
-      o = target(tokens[:, :w], positions=positions[:, :w], cache=cache,
-                 block_mask=mask[:, :w, :w], taps=taps, write_cache=False)
-      chosen = tree_lib.target_tokens(key=key, logits=o.logits, sampling=sampling)
-      return (pad(chosen), pad(o.taps), jax.tree.map(pad, o.new_kv),
-              jnp.asarray(w, jnp.int32))
-
-    return run
-
-  branches = [branch_fn(w) for w in widths]
-  if len(branches) == 1:
-    chosen, taps_out, new_kv, width = branches[0]()
-  else:
-    chosen, taps_out, new_kv, width = jax.lax.switch(branch, branches)
+  (chosen, taps_out, new_kv), _, width = verify_lib.at_width(
+      forward, branch=branch, widths=widths, pad_to=tokens.shape[1])
   w = tree_lib.walk(tree, chosen=chosen, mask=mask, max_depth=depth)
   # Compaction: the root and the path, in order, at slots n .. n + D.
   path_kv = jax.tree.map(lambda x: _gather(x, w.path), new_kv)
@@ -211,40 +202,50 @@ def node_confidence(tree: tree_lib.Tree) -> jax.Array:
   return jnp.where(tree.valid, jnp.exp(tree.scores - jnp.where(tree.valid, prev, 0.0)), 0.0)
 
 
-def run_round(lp, *, target: Transformer, drafter, mode: str, block_size: int, max_stages: int,
-              budget: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: jax.Array,
-              key: jax.Array, gate: gate_lib.Gate, stop: jax.Array, max_skip: jax.Array,
-              schedule: str, widths: tuple[int, ...], costs: jax.Array):
-  """One tree round on the engine's loop state `lp` (see `engine._Loop`).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TreeProposer:
+  """A draft tree per stage (`proposal.Proposer`; the module docstring).
 
-  schedule="off" verifies every node; "cost" the first b nodes by path score
-  (a tree), b from the compiled `widths` maximising E(b) / cost(1 + b)
-  (`schedule.choose` with `node_confidence`; b = 0 is a plain step). Which
-  nodes are verified depends on the drafter alone, never on the target's
-  tokens, so the walk stays lossless for sampling too.
+  Attributes:
+    target, drafter: the models (the drafter `supports_trees`).
+    block_size: gamma.
+    max_stages: S_max (1: one stage, no gate).
+    budget: B, nodes per stage.
+    sampling: the sampling configuration.
+    gate: DLoop's gate.
   """
-  active = ~lp.done
-  starts = lp.cache.lengths
-  round_key = jax.random.fold_in(key, lp.round)
-  going = draft_policy.wants_draft(lp.backoff, active=active)
-  # The drafter first reads the tokens of the pause before this round, if any.
-  dstate, deferred, caught_up = deferred_lib.flush(
-      lp.deferred, drafter=drafter, drafter_state=lp.drafter_state, committed_length=starts)
-  dstate, drafted = draft(drafter, dstate, going=going, gate=gate,
-                          dloop=mode == "dloop", block_size=block_size, max_stages=max_stages,
-                          budget=budget)
-  nodes = jnp.sum(drafted.tree.valid, axis=1).astype(jnp.int32)
-  if schedule == "cost":
-    choice = schedule_lib.choose(confidence=node_confidence(drafted.tree), num_drafts=nodes,
-                                 active=active, widths=widths, costs=costs, causal=False)
-  else:
-    choice = schedule_lib.verify_all(num_drafts=nodes, active=active, widths=widths)
-  v = verify(target=target, taps=drafter.taps, cache=lp.cache, pending=lp.pending,
-             tree=drafted.tree, num_verified=choice.num_verified, branch=choice.branch,
-             widths=widths, block_size=block_size, max_stages=max_stages, sampling=sampling,
-             key=round_key)
-  return finish_lib.finish_round(
-      lp, v=v, drafter=drafter, drafter_state=dstate, deferred=deferred, caught_up=caught_up,
-      num_stages=drafted.num_stages, num_drafted=nodes, num_verified=choice.num_verified,
-      block_size=block_size, max_stages=max_stages, max_new_tokens=max_new_tokens, stop=stop,
-      max_skip=max_skip)
+
+  target: Transformer
+  drafter: Drafter
+  block_size: int
+  max_stages: int
+  budget: int
+  sampling: sampling_lib.SamplingConfig
+  gate: gate_lib.Gate
+
+  @property
+  def causal(self) -> bool:
+    # Which nodes are verified depends on the drafter alone, never on the
+    # target's tokens, so the walk stays lossless for sampling too.
+    return False
+
+  def propose(self, drafter_state: Any, *, going: jax.Array, key: jax.Array,
+              lookup: lookup_lib.Proposal | None) -> tuple[Any, Proposal]:
+    del key  # the tree holds the top prefixes: nothing is sampled
+    assert lookup is None, "the prompt lookup drafts chains"
+    drafter_state, drafted = draft(self.drafter, drafter_state, going=going, gate=self.gate,
+                                   block_size=self.block_size, max_stages=self.max_stages,
+                                   budget=self.budget)
+    nodes = jnp.sum(drafted.tree.valid, axis=1).astype(jnp.int32)
+    return drafter_state, Proposal(drafts=drafted.tree, confidence=node_confidence(drafted.tree),
+                                   num_drafts=nodes, num_stages=drafted.num_stages,
+                                   looked_up=jnp.zeros_like(going))
+
+  def verify(self, proposal: Proposal, *, cache: kv_lib.KVCache, pending: jax.Array,
+             choice: schedule_lib.Choice, widths: tuple[int, ...],
+             key: jax.Array) -> finish_lib.Verified:
+    """schedule "off" verifies every node; "cost" the first b by path score (a tree)."""
+    return verify(target=self.target, taps=self.drafter.taps, cache=cache, pending=pending,
+                  tree=proposal.drafts, num_verified=choice.num_verified, branch=choice.branch,
+                  widths=widths, block_size=self.block_size, max_stages=self.max_stages,
+                  sampling=self.sampling, key=key)

@@ -7,6 +7,9 @@ last committed token), so draft d_{t+1} is checked against position t.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -93,3 +96,46 @@ def accept_sampling(*, key: jax.Array, logits: jax.Array, drafts: jax.Array,
   bonus_probs = jnp.where(rejected[:, None], residual, p_k)
   bonus = sampling_lib.sample_from_probs(bonus_key, bonus_probs)
   return Acceptance(num_accepted=k, new_tokens=_assemble(drafts, k, bonus))
+
+
+def pad_axis1(x: jax.Array, width: int) -> jax.Array:
+  """x [B, T, ...] padded with zeros to [B, width, ...]."""
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, width - x.shape[1])
+  return jnp.pad(x, pad)
+
+
+def at_width(forward: Callable[[int], tuple[Any, Any]], *, branch: jax.Array,
+             widths: Sequence[int], pad_to: int) -> tuple[Any, Any, jax.Array]:
+  """The verification forward at the width `widths[branch]`, a traced choice.
+
+  A `lax.switch` over the compiled widths (none with one width). A branch's
+  outputs of width w are padded on axis 1 to `pad_to`, so that every branch
+  returns one shape:
+
+      widths (1, 4, 7), branch 1, pad_to 7:  forward(4) -> tokens [B, 4] -> [B, 7]
+
+  A branch should only read a cache: one that wrote it would return a whole
+  copy of it. Chains with one width write theirs in place (`as_is`).
+
+  Args:
+    forward: width -> (outputs to pad: arrays [B, width, ...], outputs as they are).
+    branch: scalar int32 index into `widths`.
+    widths: the compiled widths (static).
+    pad_to: the padded width, at least max(widths).
+
+  Returns:
+    (the padded outputs, the others, the scalar width that ran).
+  """
+
+  def run(width: int):
+    def branch_fn():
+      padded, as_is = forward(width)
+      return (jax.tree.map(lambda x: pad_axis1(x, pad_to), padded), as_is,
+              jnp.asarray(width, jnp.int32))
+
+    return branch_fn
+
+  if len(widths) == 1:
+    return run(widths[0])()
+  return jax.lax.switch(branch, [run(w) for w in widths])

@@ -15,7 +15,7 @@ the form the forward is written in (`models.cpu_kernels`):
         cache (`cached_attention`, or `attention_with_new` when the forward
         only reads the cache), measured faster there for caches the engine
         sized close to the context (capacity buckets, and a ladder of
-        capacities in `decoding.engine.cache_ladder`) up to
+        capacities in `decoding.plan.cache_ladder`) up to
         `CPU_BOUNDED_MIN_CAPACITY` slots; larger ones take
         `bounded_attention` there too (`dense_short_forwards`).
     Either way one fixed shape keeps a forward's arithmetic the same in

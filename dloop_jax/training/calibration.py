@@ -99,6 +99,7 @@ def answers(target: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   `max_new_tokens` tokens. Prompts are batched by length.
   """
   from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import plan as plan_lib  # pylint: disable=g-import-not-at-top
   target = getattr(target, "model", target)  # a LoadedTarget
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   out: list[list[int]] = [[] for _ in prompts]
@@ -192,6 +193,7 @@ def stage_samples(target: Any, drafter: Any, prompts: Sequence[Sequence[int]],
     log: progress lines, one per batch.
   """
   from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import plan as plan_lib  # pylint: disable=g-import-not-at-top
   target = getattr(target, "model", target)
   if len(prompts) != len(answer_tokens) or not prompts:
     raise ConfigError(f"Calibration needs one answer per prompt and at least one prompt, got"
@@ -216,7 +218,7 @@ def stage_samples(target: Any, drafter: Any, prompts: Sequence[Sequence[int]],
   start = time.perf_counter()
   for number, rows in enumerate(batches):
     batch = _padded(rows, batch_size)
-    tp = engine.prompt_width(max(len(prompts[i]) for i in batch))
+    tp = plan_lib.prompt_width(max(len(prompts[i]) for i in batch))
     width = tp + steps * stride + max(max_stages * gamma, stride) + 1
     seq = np.zeros((batch_size, width), np.int32)
     prompt_lengths = np.zeros((batch_size,), np.int32)

@@ -59,6 +59,7 @@ def _ints(text: str) -> list[int]:
 
 def _parse(argv):
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import plan as plan_lib  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="smollm2-135m-instruct",
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
     # not hold every compiled program at once (each holds memory mappings, of which a
     # process may have only so many: vm.max_map_count).
     # The sort is stable: within a group, the prompts' order.
-    ordered = sorted(prompts, key=lambda pair: engine.prompt_width(len(pair[1])))
+    ordered = sorted(prompts, key=lambda pair: plan_lib.prompt_width(len(pair[1])))
     # Warm-up: compile our programs for the first prompt's shapes, warm up torch.
     _log(f"[bench] warm-up of {len(methods)} methods")
     first_compile = {}
@@ -461,7 +462,7 @@ def main(argv=None) -> int:
 
     records = []
     for i, (p, ids) in enumerate(ordered):
-      if i and engine.prompt_width(len(ids)) != engine.prompt_width(len(ordered[i - 1][1])):
+      if i and plan_lib.prompt_width(len(ids)) != plan_lib.prompt_width(len(ordered[i - 1][1])):
         engine.clear_compiled()  # the previous group's programs do not run again
       runs = methods_lib.interleaved_runs(methods, ids, repeats=args.repeats, rotation=i)
       recs = [_record(p, m, runs[id(m)], prompt_len=len(ids)) for m in methods]

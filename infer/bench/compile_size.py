@@ -92,13 +92,9 @@ def measure(*, preset: str, overrides: str, drafter_kind: str, block_size: int,
 
     jax.clear_caches()  # each row compiles afresh (rows may share a program shape)
     target, drafter = _abstract(build)
-    static, args = engine._prepare(  # pylint: disable=protected-access
-        target, prompts, config=DecodingConfig(**options), max_new_tokens=max_new_tokens,
-        drafter=drafter)
     t0 = time.perf_counter()
-    with engine._kernel_forms(target):  # pylint: disable=protected-access
-      lowered = jax.jit(engine._decode, static_argnums=0).lower(  # pylint: disable=protected-access
-          static, *args)
+    lowered, static = engine.lower(target, prompts, config=DecodingConfig(**options),
+                                   max_new_tokens=max_new_tokens, drafter=drafter)
     lower_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiled = lowered.compile()

@@ -116,7 +116,7 @@ def run(args, log) -> dict:
   # One stage (sd) to S_max stages of DLoop, each continuing stage with its best path.
   trees = sorted({1 + n for b in budgets
                   for n in tree_round.max_nodes(budget=b, block_size=gamma,
-                                                max_stages=args.max_stages, dloop=True)})
+                                                max_stages=args.max_stages)})
   needed = 1 + args.max_stages * gamma  # the generation's verification width
   widths = sorted(set(chain) | set(trees) | {1, needed})
   capacity = min(costs_lib.CALIBRATION_CAPACITY, config.max_position_embeddings)

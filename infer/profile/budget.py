@@ -29,7 +29,7 @@ compiler saves of them is for the device to say), and the conversions' share
 is shown apart, so a change to the attention can be read beside it.
 
 The cache's capacity is the one `generate()` would allocate for the context
-plus 256 new tokens (`engine._bucket`: 1k -> 1,536 slots, 8k -> 12,288, 32k
+plus 256 new tokens (`plan.bucket`: 1k -> 1,536 slots, 8k -> 12,288, 32k
 -> 49,152). Compiling every layer of an 8B model is slow on a CPU, so each
 program is compiled with 1 and with 2 layers and extrapolated linearly to the
 model's depth (every layer is the same program; the embedding, the final norm
@@ -91,8 +91,8 @@ def config_of(name: str, *, num_layers: int | None = None):
 
 def capacity_for(context: int) -> int:
   """The cache slots `generate()` allocates for `context` prompt tokens and `NEW_TOKENS` more."""
-  from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
-  return engine._bucket(context + NEW_TOKENS)  # pylint: disable=protected-access
+  from dloop_jax.decoding import plan  # pylint: disable=g-import-not-at-top
+  return plan.bucket(context + NEW_TOKENS)
 
 
 def compiled_cost(config, *, batch: int, capacity: int, context: int, width: int) -> Cost:
