@@ -221,6 +221,21 @@ def test_ar_and_sd_programs_have_no_stage_loop(tiny, drafter):
   assert _branch_counts(_body(rounds)) == [2, 2, 3]
 
 
+def test_sd_is_planned_as_dloop_with_one_stage(tiny, drafter):
+  """After resolution sd is DLoop with S_max = 1 (`decoding.plan`): one program for both, the
+  same rounds and tokens, while each reports the mode it was asked for."""
+  kw = dict(drafter=drafter, block_size=GAMMA, schedule="off", lookup="off")
+  prompts = [[5, 6, 7], [9, 1, 2, 3, 4]]
+  sd = generate(tiny, prompts, max_new_tokens=12, mode="sd", **kw)
+  traces = engine.trace_count()
+  one_stage = generate(tiny, prompts, max_new_tokens=12, mode="dloop", max_stages=1,
+                       gate=-math.inf, **kw)
+  assert engine.trace_count() == traces and one_stage.compile_seconds == 0.0
+  assert one_stage.tokens == sd.tokens and one_stage.rows == sd.rows
+  assert (sd.mode, sd.gate, one_stage.mode) == ("sd", None, "dloop")
+  assert all(r.stage_histogram == [0, r.rounds] for r in sd.rows)
+
+
 def test_the_persistent_compilation_cache_is_on_unless_opted_out(monkeypatch, tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   from dloop_jax import compilation_cache  # pylint: disable=g-import-not-at-top
