@@ -92,11 +92,10 @@ def test_greedy_lossless(learnable, drafters, kind, batch):
     ar = generate(target, prompts, max_new_tokens=40)
     for name in ("untrained", "trained"):
       drafter = drafters[name]
-      # mode "sd" is the engine's S_max = 1 program: one batch size suffices (it
-      # compiles a program of its own); gate +inf checks the same in dloop's.
+      # Gate +inf drafts one stage a round, as "sd" does (planned as DLoop with
+      # S_max = 1: a program of its own, run for every kind by
+      # tests/test_lossless_matrix.py).
       runs = [dict(gate=g) for g in (-math.inf, -0.5, math.inf)]
-      if batch > 1:
-        runs.append(dict(mode="sd"))
       for run in runs:
         out = _generate(target, prompts, drafter=drafter, **run)
         for p, want, got in zip(prompts, ar.tokens, out.tokens):
