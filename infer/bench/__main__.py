@@ -59,7 +59,6 @@ def _ints(text: str) -> list[int]:
 
 def _parse(argv):
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
-  from dloop_jax.decoding import plan as plan_lib  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="smollm2-135m-instruct",
@@ -336,6 +335,7 @@ def main(argv=None) -> int:
 
   from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
   from dloop_jax.decoding import flags  # pylint: disable=g-import-not-at-top
+  from dloop_jax.decoding import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
