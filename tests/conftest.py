@@ -23,6 +23,12 @@ _REAL_MODEL_XLA_FLAGS = ""
 # e.g. "cuda", asks otherwise): on a GPU machine several test processes would
 # each claim most of the GPU's memory. Where a test process does use an
 # accelerator, it allocates what it needs instead of preallocating.
+# Every test process and every command it starts imports jax, flax and more; where the
+# environment asks Python not to write bytecode ($PYTHONDONTWRITEBYTECODE, and setup.sh
+# installs without compiling), each would compile those packages' sources again on import
+# (about 4 s a process). The suite writes the bytecode once and reads it after.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ["JAX_PLATFORMS"] = os.environ.get("DLOOP_TEST_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Defaults follow the backend's profile (`dloop_jax.profiles`), not the caller's.
