@@ -95,8 +95,8 @@ class DecodeLoop:
     # Every round's randomness derives from the other half of the key.
     loop = dataclasses.replace(self, inputs=self.inputs.replace(key=round_key))
     if not self.plan.speculative:
-      return loop._ar_loop(lp)  # pylint: disable=protected-access
-    return jax.lax.while_loop(loop._running, loop._round_then_pauses, lp)  # pylint: disable=protected-access
+      return loop._ar_loop(lp)
+    return jax.lax.while_loop(loop._running, loop._round_then_pauses, lp)
 
   # ------------------------------------------------------------------ prefill
 
