@@ -99,7 +99,6 @@ def answers(target: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
   `max_new_tokens` tokens. Prompts are batched by length.
   """
   from dloop_jax.decoding import engine  # pylint: disable=g-import-not-at-top
-  from dloop_jax.decoding import plan as plan_lib  # pylint: disable=g-import-not-at-top
   target = getattr(target, "model", target)  # a LoadedTarget
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   out: list[list[int]] = [[] for _ in prompts]
