@@ -43,6 +43,7 @@ import json
 import os
 import platform
 
+from dloop_jax import json_files
 from dloop_jax.errors import ConfigError
 
 PROFILES = ("cpu", "gpu", "tpu")
@@ -159,14 +160,10 @@ def record_cpu_weights(step_cost: dict[str, float], *, width_cost: dict[str, flo
       raise ConfigError(f"{name} needs positive 'f32' and 'bf16' costs, got {costs}.")
   weights = "bf16" if width_cost["bf16"] < width_cost["f32"] else "f32"
   path = os.path.join(directory or cache_dir(), CPU_WEIGHTS_FILE)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(dict(machine=_this_cpu(), weights=weights, width=CPU_FIXED_WIDTH,
-                   step_cost={k: float(v) for k, v in step_cost.items()},
-                   width_cost={k: float(v) for k, v in width_cost.items()}), f, indent=1)
-  os.replace(tmp, path)  # never a half-written file
-  return path
+  return json_files.write_json(path, dict(
+      machine=_this_cpu(), weights=weights, width=CPU_FIXED_WIDTH,
+      step_cost={k: float(v) for k, v in step_cost.items()},
+      width_cost={k: float(v) for k, v in width_cost.items()}))
 
 
 def measured_cpu_weights(*, directory: str | None = None) -> dict | None:

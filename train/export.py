@@ -79,15 +79,14 @@ def _default_target(drafter: str) -> str | None:
 def _keep_shipping(path: str, source: dict) -> None:
   """Writes a shipped drafter's name and rank (`shipped_drafters_for`'s order) into the new
   export."""
+  from dloop_jax import json_files  # pylint: disable=g-import-not-at-top
   from dloop_jax.drafters import io as drafter_io  # pylint: disable=g-import-not-at-top
 
   info_path = os.path.join(path, drafter_io.INFO_FILE)
   with open(info_path) as f:
     info = json.load(f)
   info.update({k: source[k] for k in ("name", "rank")})
-  with open(info_path + ".tmp", "w") as f:
-    json.dump(info, f, indent=1, sort_keys=True)
-  os.replace(info_path + ".tmp", info_path)
+  json_files.write_json(info_path, info, sort_keys=True)
 
 
 def main(argv=None) -> int:

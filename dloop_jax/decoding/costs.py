@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dloop_jax import json_files
 from dloop_jax import profiles
 from dloop_jax.errors import ConfigError
 
@@ -121,7 +122,7 @@ class CostTable:
 
   def save(self, path: str | os.PathLike) -> str:
     """Writes the table as JSON (the format `load` reads); returns the path."""
-    return _write_json(path, self.to_json())
+    return json_files.write_json(path, self.to_json(), default=str)
 
   def format(self) -> str:
     """A readable table: width, ms, and the ratio to a 1-token forward."""
@@ -131,17 +132,6 @@ class CostTable:
       ratio = f"{c / one:.2f}" if one else "-"
       lines.append(f"{w:>5}  {c:>7.2f}  {ratio}")
     return "\n".join(lines)
-
-
-def _write_json(path: str | os.PathLike, data: Any) -> str:
-  """Writes `data` as JSON to `path` atomically (never a half-written file); returns it."""
-  path = os.fspath(path)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=1, default=str)
-  os.replace(tmp, path)
-  return path
 
 
 def _median_ms(calls: Mapping[Any, Any], *, repeats: int) -> dict[Any, float]:
@@ -368,7 +358,8 @@ def measure_draft_stage(target, drafter, *, batch_size: int, block_size: int,
                   repeats=repeats)
   fraction = ms["stage"] / ms["step"]
   key = _stage_key(target, drafter, batch_size=batch_size, block_size=block_size)
-  _write_json(_path(key, directory), {"format": STAGE_FORMAT, "fraction": fraction, "key": key})
+  json_files.write_json(_path(key, directory),
+                        {"format": STAGE_FORMAT, "fraction": fraction, "key": key}, default=str)
   return fraction
 
 

@@ -45,6 +45,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dloop_jax import flat_state
+from dloop_jax import json_files
 from dloop_jax import plain_values
 from dloop_jax.decoding import calibration as calibration_lib
 from dloop_jax.drafters import hf_format
@@ -205,16 +206,8 @@ def export_drafter(drafter: nnx.Module, path: str | os.PathLike, *, target_name:
       **({"calibration": _calibration_json(calibration)} if calibration else {}),
   }
   if jax.process_index() == 0:
-    _write_info(info_path, info)
+    json_files.write_json(info_path, info, sort_keys=True)
   return path
-
-
-def _write_info(info_path: str, info: Mapping[str, Any]) -> None:
-  """Replaces `drafter.json` atomically: a reader sees the old file or the new one."""
-  tmp = info_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(info, f, indent=1, sort_keys=True)
-  os.replace(tmp, info_path)
 
 
 def _calibration_json(tables) -> dict[str, Any]:
@@ -241,7 +234,7 @@ def write_calibration(name_or_path: str | os.PathLike,
   except ConfigError:
     old = {}
   info["calibration"] = _calibration_json(calibration_lib.merged(old, tables))
-  _write_info(info_path, info)
+  json_files.write_json(info_path, info, sort_keys=True)
   return info_path
 
 
