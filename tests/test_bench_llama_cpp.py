@@ -122,3 +122,17 @@ def test_the_agreement_line_counts_identical_outputs_and_says_where_the_others_d
   line = bench_main._agreement(records, "llama_cpp")
   assert line.startswith("llama_cpp: 1/3 outputs identical to our ar's;")
   assert "0 (0.080), 20 (0.011)" in line
+
+
+def test_llama_cpp_teacher_forced_logits_predict_its_greedy_answer():
+  """`infer.bench.quality.LlamaCpp`: row i of the logits is the distribution of token i + 1,
+  whose argmax over the answer is llama.cpp's own greedy answer (no off-by-one against ours)."""
+  pytest.importorskip("llama_cpp", reason="the optional extra llama-cpp is not installed")
+  from infer.bench import quality  # pylint: disable=g-import-not-at-top
+  target = registry.load_target(registry.DEFAULT_TARGET, dtype="float32")
+  computation = quality._llama_cpp(target, threads=1, context=128)
+  ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}])
+  answer = computation.greedy(ids, max_new_tokens=6)
+  logits = computation.logits(ids + answer)
+  assert logits.shape == (len(ids) + 6, target.config.vocab_size)
+  assert logits[len(ids) - 1:-1].argmax(-1).tolist() == answer
