@@ -32,7 +32,7 @@ _SCRIPT = textwrap.dedent(r"""
     from flax import nnx
     assert jax.device_count() == 8, jax.devices()
     import drafter_fixtures
-    from dloop_jax.decoding import generate
+    from dloop_jax.decoding import collectives, engine, generate
     from dloop_jax.decoding.lossless import compare
     from dloop_jax.drafters import build_drafter
     from dloop_jax.errors import ConfigError
@@ -72,13 +72,34 @@ _SCRIPT = textwrap.dedent(r"""
         "dloop_tree": dict(mode="dloop", drafter=fixture, block_size=3, max_stages=2, gate=-1.0,
                            tree_budget=4),
     }
+    head_dim = one.config.head_dim
+
+    def moves(**kw):  # the program generate() just ran (compiled once, shared)
+      compiled, _ = engine.decode_program(split, prompts, max_new_tokens=14, **kw)
+      return collectives.head_transfers(compiled.as_text(), head_dim=head_dim)
+
     for name, kw in runs.items():
       got = generate(split, prompts, max_new_tokens=14, **kw)
       out[name] = dict(
           identical=[a == b for a, b in zip(reference.tokens, got.tokens)],
           lossless=[compare(one, p, a, b).lossless
                     for p, a, b in zip(prompts, reference.tokens, got.tokens)],
-          accepted=got.total.accepted if kw["mode"] != "ar" else 0)
+          accepted=got.total.accepted if kw["mode"] != "ar" else 0,
+          moves=moves(**kw))
+    # At a fixed width every forward after prefill is 8 tokens wide: sd and dloop
+    # on the mesh reproduce ar on the mesh exactly.
+    fixed = {"ar": dict(mode="ar"), "sd": runs["sd"],
+             "dloop": dict(runs["dloop"], costs=None, schedule="off")}
+    fixed_tokens = {}
+    out["fixed"] = {}
+    for name, kw in fixed.items():
+      kw = dict(kw, fixed_width=8)
+      got = generate(split, prompts, max_new_tokens=14, **kw)
+      fixed_tokens[name] = got.tokens
+      out["fixed"][name] = dict(moves=moves(**kw),
+                                accepted=got.total.accepted if name != "ar" else 0)
+    for name in ("sd", "dloop"):
+      out["fixed"][name]["equal_ar"] = fixed_tokens[name] == fixed_tokens["ar"]
 
     # bf16 weights: the layers hold their matrices out-major on the mesh too.
     one16 = load_target(sys.argv[1], weights="bf16").model
@@ -203,8 +224,27 @@ def test_weights_and_kv_heads_are_split(results):
   assert results["shard_shapes"] == {"wqkv": [[64, 32]], "wo": [[16, 64]],
                                      "w_gate_up": [[64, 48]], "w_down": [[24, 64]]}
   assert results["embed_shards"] == [[32, 64]]  # vocabulary 128 / 4
-  # Cache [B * K, C, H] = [2 * 4, 8, 8] over data x tensor: one (row, kv head) each.
-  assert results["kv_shards"] == [[1, 8, 8]]
+  # Cache [B, K, C, H] = [2, 4, 8, 8] over data x tensor: one (row, kv head) each.
+  assert results["kv_shards"] == [[1, 1, 8, 8]]
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "dloop", "dloop_tree"])
+def test_mesh_attention_moves_no_head_arrays(results, mode):
+  # Batch 4 on data=2: two rows per data shard. Each device holds its rows' kv
+  # heads of the cache and attends them itself: the optimized program holds no
+  # all-gather / all-to-all / collective-permute of a cache slice, queries, keys
+  # or values (a placement splitting the cache's rows x heads axis row-major
+  # moved the queries and new keys / values to the cache every layer).
+  assert results[mode]["moves"] == []
+  if mode in results["fixed"]:
+    assert results["fixed"][mode]["moves"] == []
+
+
+@pytest.mark.parametrize("mode", ["sd", "dloop"])
+def test_mesh_modes_equal_mesh_ar_at_fixed_width(results, mode):
+  r = results["fixed"][mode]
+  assert r["equal_ar"], r
+  assert r["accepted"] > 0
 
 
 def test_bf16_weights_are_split_out_major(results):
@@ -233,7 +273,7 @@ def test_fallback_when_tensor_does_not_divide_kv_heads(results):
   f = results["fallback"]
   assert f["logit_diff"] < 1e-4
   assert f["wqkv"] == ["tensor", None]
-  assert f["kv"] == ["data", None, None]
+  assert f["kv"] == ["data", None, None, None]
   assert "does not divide the 2 kv heads" in f["describe"]
 
 

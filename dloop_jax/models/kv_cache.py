@@ -20,13 +20,18 @@ class KVCache:
   """Keys and values of all layers, one array per layer.
 
   Per-layer arrays (not one [L, ...] array) let each layer's update happen in
-  place: slicing a layer out of a stacked cache copies it on CPU. Rows and kv
-  heads share the leading axis (row b's K heads at b * K .. b * K + K - 1), the
-  form attention's batched matmuls read without reshaping the cache.
+  place: slicing a layer out of a stacked cache copies it on CPU. On one
+  device rows and kv heads share the leading axis (row b's K heads at
+  b * K .. b * K + K - 1), the form attention's batched matmuls read without
+  reshaping the cache. On a mesh they are two axes [B, K, C, H], so rows split
+  over data and kv heads over tensor (`sharding.kv_spec`): each device holds
+  its rows' heads and attends them itself (`sharding.per_shard`), through the
+  same row-major [B * K, C, H] view of its slice.
 
   Attributes:
-    k: L arrays [B * K, C, H] of keys (K kv heads, C slots, H head dim).
-    v: L arrays [B * K, C, H] of values.
+    k: L arrays [B * K, C, H] (on a mesh [B, K, C, H]) of keys (K kv heads,
+      C slots, H head dim).
+    v: L arrays of values, as `k`.
     lengths: [B] committed slots per row.
   """
 
@@ -36,7 +41,7 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
-    return self.v[0].shape[1]
+    return self.v[0].shape[-2]
 
   @property
   def batch_size(self) -> int:
@@ -45,14 +50,17 @@ class KVCache:
   def layer(self, index: int) -> tuple[jax.Array, jax.Array]:
     """Keys and values of one layer, both as [B, C, K, H]."""
     def unfold(x):
-      x = x.reshape((self.batch_size, -1) + x.shape[1:])  # [B, K, C, H]
+      x = x.reshape((self.batch_size, -1) + x.shape[-2:])  # [B, K, C, H]
       return jnp.transpose(x, (0, 2, 1, 3))
     return unfold(self.k[index]), unfold(self.v[index])
 
   @classmethod
   def create(cls, *, num_layers: int, batch_size: int, capacity: int,
-             num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch_size * num_kv_heads, capacity, head_dim)
+             num_kv_heads: int, head_dim: int, dtype=jnp.float32,
+             split_heads: bool = False) -> "KVCache":
+    """Zeros; `split_heads`: rows and kv heads as two axes (for a mesh)."""
+    rows = (batch_size, num_kv_heads) if split_heads else (batch_size * num_kv_heads,)
+    shape = rows + (capacity, head_dim)
     return cls(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -66,9 +74,9 @@ class KVCache:
     """The same cache with `capacity` slots (new slots empty; one copy of the cache)."""
     if capacity < self.capacity:
       raise ValueError(f"grow() cannot shrink a cache of {self.capacity} slots to {capacity}.")
-    pad = ((0, 0), (0, capacity - self.capacity), (0, 0))
-    return self.replace(k=tuple(jnp.pad(x, pad) for x in self.k),
-                        v=tuple(jnp.pad(x, pad) for x in self.v))
+    def pad(x):
+      return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, capacity - self.capacity), (0, 0)])
+    return self.replace(k=tuple(map(pad, self.k)), v=tuple(map(pad, self.v)))
 
   def append(self, new_kv: Sequence[tuple[jax.Array, jax.Array]]) -> "KVCache":
     """Writes T new tokens' (keys, values) [B, T, K, H] per layer at slots
@@ -111,7 +119,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
   program.)
 
   Args:
-    k_cache, v_cache: [B * K, C, H].
+    k_cache, v_cache: [B * K, C, H], or [B, K, C, H] (a mesh's layout).
     k, v: [B, T, K, H].
     starts: [B] (callers keep `starts + T <= C`).
   """
@@ -119,8 +127,13 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
   row_starts = jnp.repeat(starts, kv_heads, total_repeat_length=b * kv_heads)  # [B * K]
 
   def write(cache, new):
-    new = jnp.transpose(new, (0, 2, 1, 3)).reshape(b * kv_heads, t, h)  # [B * K, T, H]
-    return write_rows(cache, new, row_starts)
+    new = jnp.transpose(new, (0, 2, 1, 3))  # [B, K, T, H]
+    if cache.ndim == 4:
+      # Rows and kv heads kept apart: the update splits along the mesh's rows and
+      # heads like the cache (a [B * K] view of a split cache would gather it).
+      return jax.vmap(lambda buf, upd, start: jax.lax.dynamic_update_slice(
+          buf, upd.astype(buf.dtype), (0, start, 0)))(cache, new, starts)
+    return write_rows(cache, new.reshape(b * kv_heads, t, h), row_starts)
 
   return write(k_cache, k), write(v_cache, v)
 

@@ -24,19 +24,20 @@ are stored "group-major" on a mesh (`interleave_columns`): shard t's columns
 are its q heads, then its k heads, then its v heads. `Transformer.flat_params`
 undoes it, so checkpoints and exports keep the standard layout.
 
-The KV cache [B * K, C, H] is split on its (row, kv head) axis over data x
-tensor with head-parallel attention (each shard holds its rows' heads exactly
-when a data shard decodes one row; with more rows per data shard the slices
-are split by row first and GSPMD moves what a shard's heads need), over data
-alone otherwise. GSPMD (`jax.jit` over arrays placed with these shardings)
-inserts the collectives; any placement gives the same result up to the
-summation order of split contractions.
+The KV cache is [B, K, C, H] on a mesh: rows over data, kv heads over tensor
+(with head-parallel attention; replicated over tensor otherwise), and each
+layer's cache write and attention run under `jax.shard_map` (`per_shard`), so
+a device attends its own rows' heads against its own cache slice and no
+cache, query, key or value crosses devices. Elsewhere GSPMD (`jax.jit` over
+arrays placed with these shardings) inserts the collectives (the all-reduces
+of the head-split and MLP products); any placement gives the same result up
+to the summation order of split contractions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -179,9 +180,38 @@ def param_spec(name: str, config: TransformerConfig, lay: Layout) -> PartitionSp
 
 
 def kv_spec(lay: Layout) -> PartitionSpec:
-  """PartitionSpec of one layer's cache keys / values [B * K, C, H]."""
-  rows = ("data", "tensor") if lay.head_groups > 1 else "data"
-  return PartitionSpec(rows, None, None)
+  """PartitionSpec of one layer's cache keys / values on a mesh, [B, K, C, H]: rows over
+  data, kv heads over tensor (when the heads are split)."""
+  return PartitionSpec("data", _heads(lay), None, None)
+
+
+def _heads(lay: Layout) -> str | None:
+  """The mesh axis attention heads are split over (None: not split)."""
+  return "tensor" if lay.head_groups > 1 else None
+
+
+def per_shard(attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]], *,
+              layout: Layout) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+  """`attend` run on each device over its own rows and kv heads (`jax.shard_map`).
+
+  `attend(q, k, v, k_cache, v_cache, starts, masks, block_mask) -> (out,
+  k_cache, v_cache)` writes one layer's new keys / values and attends; every
+  argument but the caches leads with the batch axis: q [B, T, N, H]; k, v
+  [B, T, K, H]; caches [B, K, C, H] (`kv_spec`); starts [B]; masks (a tuple or
+  None) and block_mask (or None) [B, ...]; out [B, T, N * H]. Each device
+  receives the rows of its data shard and, with head-parallel attention, the
+  q / kv heads of its tensor shard (the column groups of `wqkv` keep a
+  shard's q heads with their kv heads): everything its attention needs, so
+  the cache never moves. Otherwise (tensor does not divide the kv heads) the
+  heads are whole on every tensor shard, which compute the same attention.
+  """
+  heads = _heads(layout)
+  rows = PartitionSpec("data")
+  per_head = PartitionSpec("data", None, heads, None)  # [B, T, N or K, H]
+  cache = kv_spec(layout)
+  return jax.shard_map(attend, mesh=layout.mesh,
+                       in_specs=(per_head, per_head, per_head, cache, cache, rows, rows, rows),
+                       out_specs=(PartitionSpec("data", None, heads), cache, cache))
 
 
 def place(value: np.ndarray, spec: PartitionSpec, mesh: Mesh) -> jax.Array:

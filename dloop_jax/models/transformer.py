@@ -177,11 +177,12 @@ class DecoderLayer(nnx.Module):
                sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
                masks: tuple[jax.Array, ...] | None, block_mask: jax.Array | None,
                write_cache: bool, groups: tuple[int, int] = (1, 1),
-               attention_impl: str = "xla"
+               attention_impl: str = "xla", layout: sharding_lib.Layout | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """h [B, T, D] -> (h, k_cache, v_cache, k, v).
 
-    `k_cache` / `v_cache` [B * K, C, H] are this layer's `KVCache` arrays and
+    `k_cache` / `v_cache` [B * K, C, H] (on a mesh [B, K, C, H]) are this layer's
+    `KVCache` arrays and
     k, v [B, T, K, H] the new tokens' keys / values. With `write_cache` the new
     tokens go into the cache first (slots `starts + t`) and attention reads it;
     without, the cache is only read and comes back as it was. Short forwards
@@ -192,7 +193,9 @@ class DecoderLayer(nnx.Module):
     `block_mask` [B, T, T] (None: causal). `groups` = (head groups, MLP
     groups): the column groups of `wqkv` / `bqkv` and of `w_gate_up` on a mesh
     (`sharding.interleave_columns`; (1, 1) = the standard layout).
-    `attention_impl`: see `attention.ATTENTION_IMPLS`.
+    `attention_impl`: see `attention.ATTENTION_IMPLS`. `layout`: the mesh
+    placement, on which the cache write and attention run per shard
+    (`sharding.per_shard`); None on one device.
     """
     c = config
     b, t, _ = h.shape
@@ -208,22 +211,11 @@ class DecoderLayer(nnx.Module):
       k = rms_norm(k, self.k_norm[...], eps)
     q = rope_lib.apply_rope(q, cos, sin)
     k = rope_lib.apply_rope(k, cos, sin)
-    if write_cache:
-      k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
-    prefill = attention_kernels_lib.prefill_impl(attention_impl, k_cache.dtype)
-    if prefill != "xla" and write_cache and t == k_cache.shape[1]:
-      # A forward that fills the whole cache starts at slot 0 (prefill).
-      out = attention_lib.prefill_attention(
-          q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), block_mask=block_mask,
-          impl=prefill)
-    elif masks is None:
-      out = attention_lib.blockwise_attention(
-          q, k_cache=k_cache, v_cache=v_cache, starts=starts, block_mask=block_mask,
-          new_kv=None if write_cache else (k, v))
-    else:
-      out = attention_lib.short_attention(q, k, v, k_cache=k_cache, v_cache=v_cache,
-                                          starts=starts, block_mask=block_mask, masks=masks,
-                                          written=write_cache, impl=attention_impl)
+    attend = functools.partial(_attend, write_cache=write_cache, attention_impl=attention_impl)
+    if layout is not None:
+      # Each device writes and attends its own rows x kv heads of the cache.
+      attend = sharding_lib.per_shard(attend, layout=layout)
+    out, k_cache, v_cache = attend(q, k, v, k_cache, v_cache, starts, masks, block_mask)
     h = h + mm(out, "wo")
     x = rms_norm(h, self.mlp_norm[...], eps)
     gate, up = _split_gate_up(mm(x, "w_gate_up"), groups=groups[1])
@@ -237,6 +229,36 @@ class DecoderLayer(nnx.Module):
     if scale is not None:
       return int8_lib.product(x, w, scale[...], contract=0).astype(x.dtype)
     return (dense_out_major if self.out_major else dense)(x, w)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+            starts: jax.Array, masks: tuple[jax.Array, ...] | None,
+            block_mask: jax.Array | None, *, write_cache: bool, attention_impl: str
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One layer's cache write and attention: (out [B, T, N * H], k_cache, v_cache).
+
+  q [B, T, N, H]; k, v [B, T, K, H]; caches [B * K, C, H], or [B, K, C, H] on a
+  mesh (one shard's rows and kv heads, `sharding.per_shard`), which the
+  attention forms read through its row-major [B * K, C, H] view.
+  """
+  b, t = q.shape[:2]
+  if write_cache:
+    k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
+  kc, vc = (x.reshape((-1,) + x.shape[-2:]) for x in (k_cache, v_cache))  # [B * K, C, H]
+  prefill = attention_kernels_lib.prefill_impl(attention_impl, kc.dtype)
+  if prefill != "xla" and write_cache and t == kc.shape[1]:
+    # A forward that fills the whole cache starts at slot 0 (prefill).
+    out = attention_lib.prefill_attention(
+        q, k.astype(kc.dtype), v.astype(vc.dtype), block_mask=block_mask, impl=prefill)
+  elif masks is None:
+    out = attention_lib.blockwise_attention(
+        q, k_cache=kc, v_cache=vc, starts=starts, block_mask=block_mask,
+        new_kv=None if write_cache else (k, v))
+  else:
+    out = attention_lib.short_attention(q, k, v, k_cache=kc, v_cache=vc, starts=starts,
+                                        block_mask=block_mask, masks=masks,
+                                        written=write_cache, impl=attention_impl)
+  return out.reshape(b, t, -1), k_cache, v_cache
 
 
 def _split_qkv(qkv: jax.Array, *, config: TransformerConfig, groups: int
@@ -538,8 +560,8 @@ class Transformer(nnx.Module):
 
   @property
   def _attention(self) -> str:
-    """The attention its forwards trace: on a mesh the XLA forms, which GSPMD splits like the
-    cache (the library kernels would need `shard_map`)."""
+    """The attention its forwards trace: on a mesh the XLA forms, as the per-device body of
+    `sharding.per_shard` (the library kernels there are untried)."""
     return self.attention_impl if self.layout is None else "xla"
 
   @property
@@ -645,7 +667,7 @@ class Transformer(nnx.Module):
     cache = kv_lib.KVCache.create(
         num_layers=c.num_layers, batch_size=batch_size, capacity=capacity,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        dtype=self.cache_dtype if dtype is None else dtype)
+        dtype=self.cache_dtype if dtype is None else dtype, split_heads=self.layout is not None)
     if self.layout is None:
       return cache
     sharding_lib.check_batch(batch_size, self.layout.mesh)
@@ -783,8 +805,8 @@ class Transformer(nnx.Module):
       selected = hidden
     slots = starts[:, None] + jnp.arange(t)[None, :]  # [B, T]
 
-    def new_of(x):  # [B * K, C, H] -> [B, T, K, H] at the input's slots
-      x = x.reshape((b, -1) + x.shape[1:])
+    def new_of(x):  # [B * K, C, H] or [B, K, C, H] -> [B, T, K, H] at the input's slots
+      x = x.reshape((b, -1) + x.shape[-2:])
       return jnp.take_along_axis(x, slots[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
 
     return ForwardOutput(logits=self.unembed(selected), cache=cache.with_lengths(starts + t),
@@ -820,7 +842,7 @@ class Transformer(nnx.Module):
       h, k_cache, v_cache, k, v = layer(
           h, config=c, cos=cos, sin=sin, k_cache=cache.k[i], v_cache=cache.v[i],
           starts=starts, masks=masks, block_mask=block_mask, write_cache=write_cache,
-          groups=self._groups, attention_impl=self._attention)
+          groups=self._groups, attention_impl=self._attention, layout=self.layout)
       k_caches.append(k_cache)
       v_caches.append(v_cache)
       new_kv.append((k, v))
