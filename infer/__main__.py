@@ -207,14 +207,17 @@ def _report(args, *, text, ids, out, index, mode, drafter, tok, target, looks_up
                tokens_per_second=row.new_tokens / out.seconds if out.seconds else 0.0,
                mode=mode, drafter=getattr(drafter, "name", None),
                schedule=out.schedule, tree_budget=args.tree_budget or None,
-               dtype=dtype, weights=weights, fixed_width=fixed_width, mesh=args.mesh)
+               dtype=dtype, weights=weights, fixed_width=fixed_width, mesh=args.mesh,
+               attention_kernels=list(out.attention_kernels))
     if not looks_up:
       rec["lookup_rounds"] = None
     print(json.dumps(rec), flush=True)
   else:
     print(answer)
     tps = row.new_tokens / out.seconds if out.seconds else math.nan
-    shape = f"{mode}, {weights} weights" + (f", width {fixed_width}" if fixed_width else "")
+    shape = (f"{mode}, {weights} weights" + (f", width {fixed_width}" if fixed_width else "")
+             + (f", attention {' + '.join(out.attention_kernels)}" if out.attention_kernels
+                else ""))
     print(f"[{shape}] {row.new_tokens} tokens in {out.seconds:.2f}s ({tps:.1f} tok/s),"
           f" compile {out.compile_seconds:.1f}s, target forwards {row.target_forwards}"
           + (f", tau {row.acceptance_length:.2f}, verified {row.verified}/{row.drafted}"

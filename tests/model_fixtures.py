@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import os
+from collections.abc import Sequence
 from unittest import mock
 
 import gguf
@@ -178,8 +179,24 @@ def _llama3_rope_factors(config) -> np.ndarray:
   return np.asarray(factors, np.float32)
 
 
+def char_tokens(vocab_size: int) -> list[str]:
+  """A byte-level vocabulary whose printable ASCII characters are tokens of their own.
+
+  ids 0-2 stay the special tokens (unk, bos, eos), then the space ("Ġ" in
+  byte-level BPE) and the characters "!".."~": text of those characters
+  encodes one token per character, so a command-line run can take a text
+  prompt (`write_gguf`'s default vocabulary encodes text to its special
+  tokens only).
+  """
+  chars = ["\u0120"] + [chr(c) for c in range(ord("!"), ord("~") + 1)]
+  tokens = ["t0", "t1", "t2"] + chars
+  assert len(tokens) <= vocab_size, vocab_size
+  return tokens + [f"t{i}" for i in range(len(tokens), vocab_size)]
+
+
 def write_gguf(model: transformers.PreTrainedModel, path: str, *, arch: str | None = None,
-               rope_factors: np.ndarray | None = None) -> str:
+               rope_factors: np.ndarray | None = None,
+               tokens: Sequence[str] | None = None) -> str:
   """Writes a model as llama.cpp's converter would (F32 tensors, llama q/k permuted).
 
   Args:
@@ -188,6 +205,8 @@ def write_gguf(model: transformers.PreTrainedModel, path: str, *, arch: str | No
     arch: `general.architecture` to write (default from the model type; tests
       of unsupported architectures override it).
     rope_factors: optional `rope_freqs.weight` tensor.
+    tokens: the vocabulary's token strings (default "t0".."t{V-1}"; see
+      `char_tokens`).
 
   Returns:
     `path`.
@@ -211,7 +230,7 @@ def write_gguf(model: transformers.PreTrainedModel, path: str, *, arch: str | No
     w.add_rope_dimension_count(head_dim)
   w.add_tokenizer_model("gpt2")
   # Byte-level tokens; with scores and no merges, transformers derives the merges.
-  w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+  w.add_token_list(list(tokens) if tokens is not None else [f"t{i}" for i in range(c.vocab_size)])
   w.add_token_scores([0.0] * c.vocab_size)
   w.add_bos_token_id(c.bos_token_id)
   w.add_eos_token_id(c.eos_token_id)

@@ -252,9 +252,11 @@ def test_gpu_decode_kernel_in_interpret_mode_equals_the_xla_loop(masked):
   def run(kernel, q, k_cache, v_cache, new_kv):
     fn = functools.partial(attention.bounded_attention, starts=starts, block_mask=block_mask,
                            new_kv=new_kv, kernel=kernel)
-    jaxpr = str(jax.make_jaxpr(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
-        q, k_cache, v_cache))
+    with attention_kernels.recording() as called:
+      jaxpr = str(jax.make_jaxpr(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
+          q, k_cache, v_cache))
     assert ("pallas_call" in jaxpr) == (kernel is not None)
+    assert called == ({"pallas_gpu_interpret"} if kernel else set())  # what the program holds
     return np.asarray(jax.jit(lambda q, kc, vc: fn(q, k_cache=kc, v_cache=vc))(
         q, k_cache, v_cache), np.float32)
 
@@ -280,7 +282,10 @@ def test_tpu_paged_kernel_in_interpret_mode_equals_the_xla_loop():
   for kernel in ("tpu_interpret", None):
     fn = lambda q, kc, vc, kernel=kernel: attention.bounded_attention(
         q, k_cache=kc, v_cache=vc, starts=starts, kernel=kernel)
-    assert ("pallas_call" in str(jax.make_jaxpr(fn)(q, kw, vw))) == (kernel is not None)
+    with attention_kernels.recording() as called:
+      jaxpr = str(jax.make_jaxpr(fn)(q, kw, vw))
+    assert ("pallas_call" in jaxpr) == (kernel is not None)
+    assert called == ({"pallas_tpu_interpret"} if kernel else set())  # what the program holds
     got[kernel] = np.asarray(jax.jit(fn)(q, kw, vw), np.float32)
   np.testing.assert_allclose(got["tpu_interpret"], got[None], atol=2e-2)
 

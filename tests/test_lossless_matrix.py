@@ -186,6 +186,9 @@ def test_the_accelerator_profiles_kernels_in_interpret_mode_keep_ar_outputs():
                    schedule="off", profile="gpu", **shape)
     ar_tpu = generate(tpu, prompts, profile="tpu", **shape)
   assert sum(r.verified for r in out.rows) > 0
+  # What the programs called, as `python -m infer --json` reports it.
+  assert ar.attention_kernels == out.attention_kernels == ("dot_product", "pallas_gpu_interpret")
+  assert "pallas_tpu_interpret" in ar_tpu.attention_kernels
   for p, want, got, tpu_got in zip(prompts, ar.tokens, out.tokens, ar_tpu.tokens):
     assert_same_or_near_tie(gpu, p, want, got, tol=near_tie(gpu))
     assert_same_or_near_tie(gpu, p, want, tpu_got, tol=near_tie(gpu))

@@ -48,6 +48,7 @@ from dloop_jax.decoding.decode_loop import DecodeLoop
 from dloop_jax.decoding.drafter import Drafter
 from dloop_jax.decoding.stats import GenerationOutput
 from dloop_jax.errors import ConfigError
+from dloop_jax.models import attention_kernels
 from dloop_jax.models import cpu_kernels
 from dloop_jax.models.registry import LoadedTarget
 from dloop_jax.models.transformer import Transformer
@@ -58,6 +59,10 @@ MODES = arguments.MODES
 
 _TRACE_COUNT = 0
 _COMPILED: dict[plan_lib.Plan, Any] = {}
+# The library attention kernels the last trace of each plan's program called
+# (`attention_kernels.recording`): the program a cached trace or executable
+# runs is the one that trace made.
+_KERNELS: dict[plan_lib.Plan, tuple[str, ...]] = {}
 
 
 def trace_count() -> int:
@@ -72,7 +77,9 @@ def _decode(plan: plan_lib.Plan, target_state, drafter_params, inputs: plan_lib.
   target: Transformer = nnx.merge(plan.target_graph, target_state)
   drafter: Drafter | None = (nnx.merge(plan.drafter_graph, drafter_params)
                              if plan.drafter_graph is not None else None)
-  lp = DecodeLoop(plan=plan, target=target, drafter=drafter, inputs=inputs).run()
+  with attention_kernels.recording() as kernels:
+    lp = DecodeLoop(plan=plan, target=target, drafter=drafter, inputs=inputs).run()
+  _KERNELS[plan] = tuple(sorted(kernels))
   return lp.out, lp.num_new, lp.stats, lp.features
 
 
@@ -87,6 +94,7 @@ def clear_compiled() -> None:
   jitted functions recompile on their next call as well).
   """
   _COMPILED.clear()
+  _KERNELS.clear()
   jax.clear_caches()
 
 
@@ -306,4 +314,5 @@ def generate(
       block_size=plan.block_size or None, gate=gate if mode == "dloop" else None,
       max_stages=plan.max_stages if speculative else None,
       schedule=plan.schedule if speculative else None, features=feats,
-      fixed_width=plan.fixed_width or None, widths=plan.widths)
+      fixed_width=plan.fixed_width or None, widths=plan.widths,
+      attention_kernels=_KERNELS.get(plan, ()))

@@ -127,6 +127,9 @@ class GenerationOutput:
     schedule: "cost" or "off" (sd / dloop; None for ar).
     fixed_width: the width of every forward after prefill (None: free widths).
     widths: the verification widths the program compiled (`decoding.schedule`).
+    attention_kernels: the library attention kernels the program calls
+      (`models.attention_kernels.recording`: "cudnn", "pallas_gpu_interpret",
+      ...); empty: XLA's forms only.
     features: with `capture_taps`, per row [positions, n_taps, D] target taps
       at every position the target read (prompt + all new tokens but the last).
   """
@@ -143,6 +146,7 @@ class GenerationOutput:
   features: list[np.ndarray] | None = None
   fixed_width: int | None = None
   widths: tuple[int, ...] = ()
+  attention_kernels: tuple[str, ...] = ()
 
   @property
   def total(self) -> RowStats:

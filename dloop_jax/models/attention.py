@@ -235,6 +235,7 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_mask: j
   Returns:
     [B, T, N * H] in q's dtype.
   """
+  attention_kernels.note("cudnn" if impl == "cudnn" else "dot_product")
   b, t, n, h = q.shape
   dtype = q.dtype
   if impl == "cudnn":

@@ -46,6 +46,11 @@ Where the library kernels do not reach, the XLA forms stay:
   products are not full precision), and an f32 target's forwards run at full
   precision on accelerators.
 - Capacities the kernel's blocking cannot split (see `_gpu_blocks`).
+
+Which of them a program holds is read while tracing it (`recording`): the
+engine reports it per program (`GenerationOutput.attention_kernels`, `python
+-m infer --json`), so that a run can tell whether the kernels it asked for
+are the ones it got.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ import jax.numpy as jnp
 
 _INTERPRET: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "dloop_jax_interpret_kernels", default=None)
+# The kernels traced under the innermost `recording()` (None: no recording open).
+_TRACED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "dloop_jax_traced_kernels", default=None)
 
 # Slots per kernel block and at most this many splits of the cache per
 # (row, kv head) (flash decoding: the splits run in parallel, then merge).
@@ -86,6 +94,32 @@ def interpreting() -> bool:
   if forced is not None:
     return forced
   return os.environ.get("DLOOP_INTERPRET_KERNELS", "").strip() not in ("", "0")
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+  """Collects the names of the library kernels that the programs traced inside call.
+
+  "cudnn" / "dot_product": prefill through `jax.nn.dot_product_attention`
+  (cuDNN's implementation / XLA's); "pallas_gpu": Pallas GPU flash decoding;
+  "pallas_tpu": Pallas TPU paged attention; a Pallas name ends in
+  "_interpret" where the kernel runs in interpret mode. What the program
+  holds, not what a run of it executes: a kernel in a branch or a loop the
+  run never enters counts. The XLA forms are not named.
+  """
+  kernels: set[str] = set()
+  token = _TRACED.set(kernels)
+  try:
+    yield kernels
+  finally:
+    _TRACED.reset(token)
+
+
+def note(name: str) -> None:
+  """Records that the program being traced calls kernel `name` (`recording`)."""
+  kernels = _TRACED.get()
+  if kernels is not None:
+    kernels.add(name)
 
 
 def _on_gpu() -> bool:
@@ -158,6 +192,7 @@ def gpu_committed(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
     carries (a pair with no slot: max at the f32 floor, zeros).
   """
   from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
+  note("pallas_gpu_interpret" if interpret else "pallas_gpu")
   block_k, k_splits = _gpu_blocks(k_cache.shape[1])
   out, (l, m) = decode_attention.mqa(
       qg.astype(k_cache.dtype), k_cache, v_cache, kv_seq_len=lengths, sm_scale=scale,
@@ -205,6 +240,7 @@ def tpu_step(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax
   """
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # pylint: disable=g-import-not-at-top
+  note("pallas_tpu_interpret" if interpret else "pallas_tpu")
   pairs, capacity, head = k_cache.shape
   page, per_block = _tpu_pages(capacity)
   pages = capacity // page
