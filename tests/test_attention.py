@@ -299,6 +299,9 @@ def test_kernels_fall_back_to_the_xla_forms_off_their_device(monkeypatch):
   with attention_kernels.interpret():
     assert attention_kernels.prefill_impl("cudnn", bf16) == "dot_product"
     assert attention_kernels.prefill_impl("cudnn", f32) == "xla"  # 16-bit operands only
+    # The tpu profile prefills with the XLA forms (blockwise, chunked for long prompts) on
+    # every backend: no dense T x T scores.
+    assert attention_kernels.prefill_impl("pallas_tpu", bf16) == "xla"
     assert attention_kernels.decode_kernel("cudnn", bf16) == "gpu_interpret"
     assert attention_kernels.decode_kernel("pallas_tpu", bf16) == "tpu_interpret"
     assert attention_kernels.decode_kernel("cudnn", f32) is None

@@ -132,7 +132,7 @@ def _half(dtype) -> bool:
 
 def prefill_impl(impl: str, cache_dtype) -> str:
   """How a forward that fills a fresh cache attends: "xla", "cudnn" or "dot_product"."""
-  if impl == "cudnn" and not _half(cache_dtype):
+  if impl == "pallas_tpu" or (impl == "cudnn" and not _half(cache_dtype)):
     return "xla"
   if impl == "cudnn" and not _on_gpu():
     return "dot_product" if interpreting() else "xla"
