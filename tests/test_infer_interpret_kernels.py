@@ -2,8 +2,8 @@
 Pallas's interpret mode (`$DLOOP_INTERPRET_KERNELS=1`).
 
 `test_lossless_matrix.py::test_the_accelerator_profiles_kernels_in_interpret_mode_keep_ar_outputs`
-runs the kernels through `generate()`; here the command users type runs them, as a subprocess
-on a tiny GGUF target (head_dim 16, the GPU kernel's smallest), and its `--json` record says
+runs the kernels through `generate()`; here the command users type runs them (its `main`, in
+this process) on a tiny GGUF target (head_dim 16, the GPU kernel's smallest), and its `--json` record says
 which library kernels the decode program called (`attention_kernels`, recorded while the
 program is traced: `models.attention_kernels.recording`). Without interpret mode the record
 holds no Pallas kernel, and the first test fails.
@@ -16,7 +16,7 @@ There `dloop` equals `ar` up to a 16-bit near-tie (docs/decoding.md, "What lossl
 guarantees"): on this target and prompt the outputs are equal, and a difference is accepted only
 at a near-tie of the target.
 
-Three processes (about 25 s, mostly compiles), one per profile and mode that adds a kernel
+Three runs (mostly compiles), one per profile and mode that adds a kernel
 path: `gpu` `ar` and `dloop` (flash decoding in the one-token steps and in the verifications,
 which only read the cache), and `tpu` `ar` only: the TPU paged kernel serves one-token written
 steps, which every decode step of `ar` is; a `tpu` `dloop` run would add no kernel path (its
@@ -28,14 +28,14 @@ through other kernels), as the library test does through `generate()` at two pro
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from flax import nnx
 
+import infer
 import model_fixtures
 from dloop_jax.decoding import GenerationOutput, RowStats
 from dloop_jax.decoding.lossless import near_tie
@@ -45,7 +45,6 @@ from dloop_jax.models import attention_kernels
 from dloop_jax.models import load_target
 from lossless import assert_same_or_near_tie
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "What is the capital of France?"
 MAX_NEW = 6
 # Each run's decode program: which library kernels it must call, which it must not.
@@ -72,14 +71,21 @@ def files(tmp_path_factory) -> tuple[str, str]:
 
 
 def _infer(gguf: str, *args: str) -> dict:
-  """The `--json` record of one `python -m infer` run with the kernels in interpret mode."""
-  proc = subprocess.run(
-      [sys.executable, "-m", "infer", "--target", gguf, "--raw", "--prompt", PROMPT,
-       "--max-new-tokens", str(MAX_NEW), "--fixed-width", "0", "--allow-inexact", "--json",
-       *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, DLOOP_INTERPRET_KERNELS="1"))
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  """The `--json` record of one `python -m infer` run with the kernels in interpret mode.
+
+  Run in this process (`infer.__main__.main`, the command's whole code path but the
+  interpreter's start): the three runs share the imports and the test run's programs.
+  """
+  from infer import __main__ as infer_main  # pylint: disable=g-import-not-at-top
+  out = io.StringIO()
+  with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+    patch.setenv("DLOOP_INTERPRET_KERNELS", "1")
+    patch.setattr(infer, "enable_compilation_cache", lambda: None)  # the suite's own cache
+    code = infer_main.main(["--target", gguf, "--raw", "--prompt", PROMPT, "--max-new-tokens",
+                            str(MAX_NEW), "--fixed-width", "0", "--allow-inexact", "--json",
+                            *args])
+  assert code == 0, out.getvalue()[-2000:]
+  return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
