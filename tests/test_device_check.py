@@ -14,7 +14,7 @@ import pytest
 
 from dloop_jax.decoding import GenerationOutput, RowStats
 from infer.device_check import __main__ as device_check
-from infer.device_check import checks, report
+from infer.device_check import checks, quantized, report
 
 
 # What the check may import is jax, flax, optax, orbax, transformers, numpy and what they
@@ -46,17 +46,20 @@ def test_tiny_check_passes_and_writes_its_files(tmp_path):
   assert child.returncode == 0, err[-3000:]
   verdict = out.strip().splitlines()[-1]
   assert verdict.startswith("PASS device_check tiny on "), out
-  for word in ("fixed_bf16 PASS", "free_f32 PASS", "tree_f32 PASS", "sampling PASS", "speed OK",
-               "prefill OK", "attention OK", "long_cache OK", "loop_copies 0",
+  for word in ("fixed_bf16 PASS", "free_f32 PASS", "tree_f32 PASS", "sampling PASS",
+               "fixed_int8 PASS", "speed OK", "prefill OK", "attention OK", "long_cache OK",
+               "int8 NOTE (converted first on cpu)", "loop_copies 0",
                "prefill skipped at 256 tokens"):
     assert word in verdict, verdict
   assert "greedy fixed width 5, bf16, batch 4" in err and "s] prefill 64:" in err
+  assert "greedy fixed width 5, int8, batch 4: ar / sd / dloop PASS" in err
+  assert "int8 forward, width 5: 0 of 9 products read int8 as stored, 9 weight-sized" in err
 
   result = json.loads((tmp_path / "results.json").read_text())
   assert result["verdict"] == dict(line=verdict, ok=True)
   assert result["format"] == report.FORMAT and result["shape"]["width"] == 5
   for name, modes in (("fixed_bf16", ["ar", "sd", "dloop"]), ("free_f32", ["ar", "sd", "dloop"]),
-                      ("tree_f32", ["ar", "dloop/tree4"])):
+                      ("tree_f32", ["ar", "dloop/tree4"]), ("fixed_int8", ["ar", "sd", "dloop"])):
     entry = result["correctness"][name]["4"]
     assert entry["ok"] and list(entry["runs"]) == modes, entry
     for mode in modes[1:]:
@@ -92,6 +95,19 @@ def test_tiny_check_passes_and_writes_its_files(tmp_path):
   assert all(c == dict(count=0, copies=[]) for e in copies.values() for c in e.values())
   assert set(copies["free widths, f32, batch 4"]) == {"ar", "sd", "dloop"}
   assert "n/a" in result["memory"]  # XLA:CPU keeps no allocator statistics
+  # Int8 in the weight-only form: XLA:CPU writes each of the 9 multiplied matrices (2 layers
+  # of 4, the head) converted before its product, at both widths; the embedding's rows are
+  # read as stored. A NOTE on the CPU, not a failure; the programs are kept.
+  int8 = result["int8"]
+  assert int8["status"] == "NOTE" and int8["expected_products"] == 9, int8
+  assert "converted first on cpu" in int8["finding"] and list(int8["forwards"]) == ["1", "5"]
+  for width, forward in int8["forwards"].items():
+    assert (forward["weights"], forward["products"], forward["rows"]) == (10, 0, 1), forward
+    assert len(forward["whole"]) == 9 and not forward["other"], forward
+    assert all("bf16[" in w and "convert" in w for w in forward["whole"]), forward["whole"]
+    assert "s8[" in (tmp_path / forward["hlo"]).read_text() and forward["hlo"].endswith(
+        f"w{width}.hlo.txt")
+    assert int8["cost_ms"][width] > 0 and int8["bf16_cost_ms"][width] == speed["cost_ms"][width]
 
   md = (tmp_path / "summary.md").read_text()
   assert verdict in md and "| greedy fixed-width bf16 (exact) | 4 | ar, sd, dloop |" in md
@@ -99,6 +115,9 @@ def test_tiny_check_passes_and_writes_its_files(tmp_path):
   assert "| 4 | ar (width 1) |" in md and "| 4 | dloop round (2 stages) (width 5) |" in md
   assert "| 640 | dot_product |" in md and "| free widths, f32, batch 4 | dloop | 0 | – |" in md
   assert "| fixed_bf16 dloop, batch 4 |" in md
+  assert "| greedy fixed-width int8 weights (exact) | 4 | ar, sd, dloop |" in md
+  assert "**int8 NOTE**: converted first on cpu" in md and "| 5 | 10 | 0 (9) | 9 | – |" in md
+  assert "| fixed_int8 sd, batch 4 |" in md and "| int8 forward, width 1 |" in md
 
 
 def test_different_tokens_are_a_failure(tiny):
@@ -147,6 +166,39 @@ def test_a_failed_check_makes_the_verdict_fail():
   result["speed"] = {"1": {}}
   line, ok = report.verdict(result)
   assert ok and line.startswith("PASS") and "prefill skipped at 9 tokens" in line
+
+
+def test_int8_weights_written_whole_fail_on_an_accelerator_and_are_a_note_on_the_cpu():
+  fused = dict(weights=10, products=9, rows=1, whole=[], other=[], kernels={"__triton_gemm": 9})
+  converted = dict(fused, products=0, whole=["fusion.3 = bf16[32,64]{1,0} fusion(w) [kLoop]"])
+  assert quantized.judge({"1": fused, "5": fused}, expected=9, backend="gpu")[0] == "PASS"
+  status, finding = quantized.judge({"1": fused, "5": converted}, expected=9, backend="gpu")
+  assert status == "FAIL" and "width 5: 0 of 9 products" in finding and "width 1" not in finding
+  assert quantized.judge({"1": converted}, expected=9, backend="cpu")[0] == "NOTE"
+  # A product the reader did not recognise is a finding too.
+  assert quantized.judge({"1": dict(fused, products=8)}, expected=9, backend="tpu")[0] == "FAIL"
+  result = dict(preset="tiny", device=dict(device_kind="H100", backend="gpu"),
+                correctness=dict(fixed_int8={"1": dict(ok=True)}), int8=dict(status="FAIL"))
+  line, ok = report.verdict(result)
+  assert not ok and "fixed_int8 PASS" in line and "int8 FAIL" in line
+  line, ok = report.verdict(dict(result, int8=dict(status="NOTE")))
+  assert ok and "int8 NOTE (converted first on cpu)" in line
+  assert not report.verdict(dict(result, int8=dict(ok=False, error="RuntimeError: x")))[1]
+
+
+def test_random_int8_targets_stand_for_normal_matrices():
+  """Random int8 weights are codes of a normal with scales >0, not normal(0.02) cast to int8
+  (all zeros): the device check's int8 target computes something."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from infer.profile import presets  # pylint: disable=g-import-not-at-top
+  config, _ = presets.preset_config("tiny")
+  target = presets.random_target(config, dtype=jnp.bfloat16, weights=jnp.int8, cpu_kernels=False)
+  assert target.int8 and target.cpu_kernels is False
+  codes = np.asarray(target.layers[0].w_gate_up[...], np.float64)
+  assert 24 < codes.std() < 40 and np.abs(codes).max() <= 127
+  scale = np.asarray(target.layers[0].w_gate_up_scale[...])
+  assert (scale > 0).all() and np.allclose(codes.std() * scale, 0.02, rtol=0.25)
 
 
 @pytest.mark.parametrize("argv, words", [

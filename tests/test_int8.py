@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from flax import nnx
 import drafter_fixtures
 import model_fixtures
 from dloop_jax.decoding import SamplingConfig, generate
-from dloop_jax.models import cpu_kernels, int8, load_target
+from dloop_jax.models import cpu_kernels, int8, int8_hlo, load_target
 from dloop_jax.models.transformer import LAYER_MATRICES, Transformer, tiny_target
 from reference import chi_square_pvalue, exact_distribution
 
@@ -98,42 +97,6 @@ def test_standard_form_matches_dequantize_then_dot(dtype):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def _entry_instructions(hlo: str) -> list[str]:
-  entry = hlo[hlo.index("\nENTRY"):]
-  return [line.strip() for line in entry.splitlines()[1:] if " = " in line]
-
-
-def _elements(shape: str) -> int:
-  return int(np.prod([int(d) for d in shape.split(",") if d])) if shape else 1
-
-
-def _weights_read_as_int8(hlo: str, *, min_elements: int) -> tuple[int, list[str]]:
-  """(integer products reading an s8 weight, instructions that copy or convert one whole).
-
-  An s8 parameter of at least `min_elements` is a weight matrix; each use of one
-  must be a YNNPACK fusion (the integer product) or produce fewer elements than
-  the weight has (a gather of embedding rows).
-  """
-  lines = _entry_instructions(hlo)
-  weights = {}
-  for line in lines:
-    m = re.match(r"%(\S+) = s8\[([\d,]*)\]\S* parameter\(", line)
-    if m and _elements(m.group(2)) >= min_elements:
-      weights[m.group(1)] = _elements(m.group(2))
-  products, whole = 0, []
-  for line in lines:
-    used = [name for name in weights if re.search(rf"[(,\s]%{re.escape(name)}[,)]", line)]
-    if not used or "parameter(" in line:
-      continue
-    if "__ynn_fusion" in line:
-      products += len(used)
-      continue
-    out = re.match(r"(?:ROOT )?%\S+ = \w+\[([\d,]*)\]", line)
-    if out is None or _elements(out.group(1)) >= min(weights[n] for n in used):
-      whole.append(line[:200])
-  return products, whole
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_cpu_forward_multiplies_the_int8_weights_as_they_are_stored(tied):
   """XLA:CPU's compiled forward reads every int8 matrix in an integer product (YNNPACK),
@@ -153,9 +116,9 @@ def test_cpu_forward_multiplies_the_int8_weights_as_they_are_stored(tied):
                  c.intermediate_size * c.hidden_size)
   for width in (1, 5):
     hlo = forward.lower(state, jnp.ones((1, width), jnp.int32), cache).compile().as_text()
-    products, whole = _weights_read_as_int8(hlo, min_elements=smallest)
-    assert products == len(LAYER_MATRICES) * c.num_layers + 1, (width, products)
-    assert not whole, (width, whole)
+    reads = int8_hlo.weight_reads(hlo, min_elements=smallest)
+    assert reads.products == len(LAYER_MATRICES) * c.num_layers + 1, (width, reads)
+    assert not reads.whole, (width, reads.whole)
 
 
 def test_standard_form_converts_the_weights_inside_the_product_where_xla_cpu_can_fuse():
@@ -177,11 +140,11 @@ def test_standard_form_converts_the_weights_inside_the_product_where_xla_cpu_can
   run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   fused = json.loads(run.stdout.strip().splitlines()[-1])
-  products, whole = _weights_read_as_int8(fused, min_elements=256 * 512)
-  assert products == 1 and not whole, whole
+  reads = int8_hlo.weight_reads(fused, min_elements=256 * 512)
+  assert reads.products == 1 and not reads.whole, reads
   # This process, without the flag: f32[256,512] written first (if that changes, revisit).
-  products, whole = _weights_read_as_int8(_standard_product_hlo(), min_elements=256 * 512)
-  assert products == 0 and whole
+  reads = int8_hlo.weight_reads(_standard_product_hlo(), min_elements=256 * 512)
+  assert reads.products == 0 and reads.whole, reads
 
 
 _STANDARD_ARGS = ("(jnp.ones((2, 256), jnp.float32), jnp.ones((256, 512), jnp.int8),"

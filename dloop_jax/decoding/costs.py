@@ -251,6 +251,21 @@ def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS
   return CostTable(costs=costs, key=cache_key(target, batch_size=batch_size))
 
 
+def compiled_forward(target, *, batch_size: int, width: int) -> jax.stages.Compiled:
+  """The program `calibrate` times at `width` (default cache), compiled.
+
+  Its optimized HLO (`.as_text()`) is what the device runs for a forward of
+  `width` tokens a row, what a check of the compiler's work reads
+  (`models.int8_hlo`). Compiled first here, `calibrate` of the same target
+  and batch size then finds it compiled: JAX keeps the executable of a
+  lowering it has compiled, and the inputs have `calibrate`'s shapes.
+  """
+  graph, state = nnx.split(target)
+  cache = target.init_cache(batch_size=batch_size, capacity=_capacity(target))
+  tokens = jnp.zeros((batch_size, width), jnp.int32)
+  return _forward.lower(graph, state, tokens, cache).compile()
+
+
 def for_target(target, *, batch_size: int, widths: Sequence[int] = (),
                directory: str | None = None, recalibrate: bool = False) -> CostTable:
   """The cached table of `target` at `batch_size`; calibrated (and saved) when missing.

@@ -25,14 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-# "%name (params) -> result {" or "ENTRY %name ... {": a computation's first line.
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-# "  [ROOT] %name = <result shape> <opcode>(" : an instruction.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\(")
-# Computations an instruction runs: body=, condition=, to_apply=, calls= and the
-# branches of a conditional.
-_CALLED = re.compile(r"\b(body|condition|to_apply|calls)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+from dloop_jax import hlo_text as hlo
+
 _COPIES = ("copy", "copy-start")
 
 
@@ -53,43 +47,18 @@ class LoopCopy:
   op_name: str
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-  """{computation name: its instruction lines}."""
-  out, current = {}, None
-  for line in hlo_text.splitlines():
-    if current is None:
-      m = _COMPUTATION.match(line)
-      if m and "=" not in line.split("{")[0].split("->")[0].split("(")[0]:
-        current = m.group(1)
-        out[current] = []
-      continue
-    if line.strip() == "}":
-      current = None
-    else:
-      out[current].append(line)
-  return out
-
-
-def _called(line: str) -> list[tuple[str, str]]:
-  """(how, computation) pairs an instruction line runs."""
-  found = [(how, name) for how, name in _CALLED.findall(line)]
-  for group in _BRANCHES.findall(line):
-    found += [("branch", n.strip().lstrip("%")) for n in group.split(",") if n.strip()]
-  return found
-
-
 def loop_computations(hlo_text: str) -> set[str]:
   """Names of the computations a `while` body runs, directly or through calls (not fusions)."""
-  comps = _computations(hlo_text)
+  comps = hlo.computations(hlo_text)
   edges = {name: [] for name in comps}
   roots = []
   for name, lines in comps.items():
     for line in lines:
-      m = _INSTRUCTION.match(line)
+      m = hlo.INSTRUCTION.match(line)
       if not m:
         continue
       opcode = m.group(3)
-      for how, callee in _called(line):
+      for how, callee in hlo.called(line):
         if opcode == "fusion" or how == "calls" and opcode not in ("call", "async-start"):
           continue  # fused kernels (and custom calls' helpers) are not separate buffers
         edges[name].append(callee)
@@ -108,13 +77,8 @@ def loop_computations(hlo_text: str) -> set[str]:
 def unfused_instructions(hlo_text: str) -> Iterator[str]:
   """The instruction lines of every computation that is not the body of a fusion (each
   operation of the program once: a fusion's own instruction stands for its body)."""
-  comps = _computations(hlo_text)
-  fused = set()
-  for lines in comps.values():
-    for line in lines:
-      m = _INSTRUCTION.match(line)
-      if m and m.group(3) == "fusion":
-        fused.update(callee for how, callee in _called(line) if how == "calls")
+  comps = hlo.computations(hlo_text)
+  fused = hlo.fused_computations(comps)
   for name, lines in comps.items():
     if name not in fused:
       yield from lines
@@ -141,11 +105,11 @@ def cache_copies_in_loops(hlo_text: str, *, shapes: Iterable[str]) -> list[LoopC
     cache in place).
   """
   wanted = set(shapes)
-  comps = _computations(hlo_text)
+  comps = hlo.computations(hlo_text)
   found = []
   for comp in sorted(loop_computations(hlo_text)):
     for line in comps.get(comp, []):
-      m = _INSTRUCTION.match(line)
+      m = hlo.INSTRUCTION.match(line)
       if not m or m.group(3) not in _COPIES:
         continue
       result = m.group(2)

@@ -4,5 +4,6 @@
   speed     in-loop ms per step / round against isolated forwards; prefill tokens/s
   kernels   prefill attention implementations, decode after a long prompt, peak memory,
             cache copies in the optimized loops
+  quantized int8 weights' weight-only products: read inside the product (HLO), ms against bf16
   report    results.json, summary.md and the one-line verdict
 """

@@ -19,6 +19,11 @@ On the first JAX device, with random weights (no checkpoint, no network):
   long cache    ms per decode step (width 1) after 8k / 32k prompt tokens;
   loop copies   cache copies inside the loops of the optimized decode
                 programs (should be 0);
+  int8          int8 weights in the accelerator profiles' weight-only form,
+                at the first batch size: whether the compiled forward reads
+                every int8 matrix inside its product (HLO, widths 1 and W),
+                its ms per forward against bf16's, and greedy ar = sd = dloop
+                at the fixed width, bit for bit (`quantized`);
   memory        the device's peak bytes in use (n/a where the backend has
                 no statistics); compile seconds of every program.
 
@@ -73,7 +78,8 @@ def run(args, log) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from infer.device_check import checks, kernels, report, speed  # pylint: disable=g-import-not-at-top
+  from infer.device_check import (  # pylint: disable=g-import-not-at-top
+      checks, kernels, quantized, report, speed)
   from infer.profile import measure, presets  # pylint: disable=g-import-not-at-top
 
   if args.preset not in PLANS:
@@ -221,6 +227,45 @@ def run(args, log) -> dict:
                        programs=checks.run_plans(kind="free", shape=shape, drafter=drafter32),
                        max_new_tokens=shape.new_tokens)
     f32 = drafter32 = None  # frees the f32 copy before the prefill
+
+  # ------------------------- int8: the accelerator profiles' weight-only products
+  def int8_part(b):
+    """The standard form on every backend (on a CPU the `cpu` profile would take the integer
+    one), at batch `b`, with the bf16 target's drafter: what is compared is the int8 model's
+    ar against its own sd / dloop, whatever the drafts."""
+    try:
+      int8 = built("the int8 target (weight-only products)", lambda: presets.random_target(
+          config, dtype=jnp.bfloat16, weights=jnp.int8, cpu_kernels=False))
+    except Exception as e:  # pylint: disable=broad-except
+      error = checks.error_record(e)
+      result["int8"], result["correctness"]["fixed_int8"] = error, {str(b): error}
+      log(f"int8 target: {error['error']}")
+      save()
+      return
+    t0 = time.perf_counter()
+    result["int8"] = e = checks.guarded(lambda: quantized.check(
+        target=int8, batch_size=b, width=shape.width, repeats=plan.repeats,
+        bf16_costs=timings.get(str(b), {}).get("cost_ms"), out_dir=args.out, log=log))
+    log(f"int8, batch {b}: " + (f"ERROR {e['error']}" if "error" in e else
+                               f"{e['status']}; ms per forward, int8 / bf16: "
+                               + ", ".join(f"width {w} {_ms_value(e['cost_ms'][w])} /"
+                                           f" {_ms_value(e['bf16_cost_ms'][w])}"
+                                           for w in e["cost_ms"]))
+        + f" ({time.perf_counter() - t0:.1f} s)")
+    save()
+    prompts = batch_prompts(b)
+    t0 = time.perf_counter()
+    entry = checks.guarded(lambda: checks.compare_runs(
+        checks.greedy_runs(target=int8, drafter=drafter16, prompts=prompts, shape=shape,
+                           kind="fixed", max_new_tokens=shape.new_tokens),
+        target=int8, prompts=prompts, exact=True, max_new_tokens=shape.new_tokens,
+        fixed_width=shape.width))
+    result["correctness"]["fixed_int8"] = {str(b): entry}
+    log(f"greedy fixed width {shape.width}, int8, batch {b}: ar / sd / dloop {verdict_of(entry)}"
+        f" ({time.perf_counter() - t0:.1f} s)")
+    save()
+
+  int8_part(batches[0])
 
   # --------------------------------------------------------------------- prefill
   t0 = time.perf_counter()

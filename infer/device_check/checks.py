@@ -1,11 +1,15 @@
 """Correctness on this device: greedy outputs of every mode against `ar`, and a sampling run.
 
-Three greedy comparisons (docs/design.md §The near-tie rule), each at every batch size:
+Four greedy comparisons (docs/design.md §The near-tie rule), each at every batch size but
+the int8 one (the first):
 
   fixed-width bf16   bf16 weights and compute, every target forward W tokens
                      wide (`generate(fixed_width=W)`): sd and dloop must equal
                      ar bit for bit (the one exact comparison with 16-bit
                      weights);
+  fixed-width int8   the same with int8 weight matrices in the accelerator
+                     profiles' weight-only form (`quantized`): equal to ar of
+                     the same int8 model, bit for bit;
   free-width f32     f32 weights at the widths each round needs (sd with
                      drafting pauses, dloop through the `lax.switch` over its
                      verification widths): equal to ar, or first
@@ -159,11 +163,11 @@ def run_plans(*, kind: str, shape: Shape, drafter) -> dict[str, dict]:
 
 
 def greedy_runs(*, target, drafter, prompts: Sequence[Sequence[int]], shape: Shape,
-                kind: str) -> dict[str, GenerationOutput]:
-  """The runs of one comparison (`run_plans`), {name: output}: `shape.long_tokens` new tokens
-  per row at the fixed width (the speed section times these programs), else
-  `shape.new_tokens`."""
-  n = shape.long_tokens if kind == "fixed" else shape.new_tokens
+                kind: str, max_new_tokens: int | None = None) -> dict[str, GenerationOutput]:
+  """The runs of one comparison (`run_plans`), {name: output}: `max_new_tokens` new tokens
+  per row, by default `shape.long_tokens` at the fixed width (the speed section times these
+  programs), else `shape.new_tokens`."""
+  n = max_new_tokens or (shape.long_tokens if kind == "fixed" else shape.new_tokens)
   return {name: generate(target, prompts, max_new_tokens=n, **kw)
           for name, kw in run_plans(kind=kind, shape=shape, drafter=drafter).items()}
 

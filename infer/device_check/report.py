@@ -12,7 +12,8 @@ FORMAT = "dloop_jax.device_check/1"
 CORRECTNESS = {"fixed_bf16": "greedy fixed-width bf16 (exact)",
                "free_f32": "greedy free-width f32 (near-tie rule)",
                "tree_f32": "greedy draft tree f32 (near-tie rule)",
-               "sampling": "sampling smoke test (temperature 1)"}
+               "sampling": "sampling smoke test (temperature 1)",
+               "fixed_int8": "greedy fixed-width int8 weights (exact)"}
 # Measurements: an error in one makes the verdict FAIL too; a skipped prefill length does not.
 MEASUREMENTS = {"speed": "speed in the decode loop", "prefill": "prefill tokens/s",
                 "attention": "prefill attention implementations",
@@ -20,7 +21,11 @@ MEASUREMENTS = {"speed": "speed in the decode loop", "prefill": "prefill tokens/
 
 
 def check_status(result: dict, name: str) -> str | None:
-  """PASS / FAIL of a correctness check, OK / ERROR of a measurement; None: not run."""
+  """PASS / FAIL of a correctness check, OK / ERROR of a measurement, PASS / NOTE / FAIL /
+  ERROR of the int8 part (`quantized`); None: not run."""
+  if name == "int8":
+    e = result.get("int8")
+    return None if e is None else "ERROR" if "error" in e else e.get("status")
   if name == "sampling":
     s = result.get("sampling")
     return None if s is None else "PASS" if s.get("ok") else "FAIL"
@@ -45,6 +50,11 @@ def verdict(result: dict) -> tuple[str, bool]:
       continue
     ok = ok and status in ("PASS", "OK")
     parts.append(f"{name} {status}")
+  status = check_status(result, "int8")
+  if status is not None:
+    # NOTE: the CPU converts the weights first, as expected there (`quantized`).
+    ok = ok and status in ("PASS", "NOTE")
+    parts.append("int8 " + {"NOTE": "NOTE (converted first on cpu)"}.get(status, status))
   copies = result.get("loop_copies")
   if copies:
     # A count, not a verdict: copies cost time, not correctness.
@@ -162,8 +172,43 @@ def markdown(result: dict) -> str:
       else:
         lines.append(f"| {p['length']} | {p['tokens_per_s']:,.0f} | {1e3 * p['seconds']:.1f} |"
                      f" {p['compile_seconds']:.1f} |")
+  lines += _int8_section(result)
   lines += _kernel_sections(result)
   return "\n".join(lines) + "\n"
+
+
+def _int8_section(result: dict) -> list[str]:
+  """How the int8 forwards read their weights, and their ms against bf16 (`quantized`)."""
+  e = result.get("int8")
+  if e is None:
+    return []
+  lines = ["", "## Int8 weights: the weight-only products (standard form, bf16 compute)", ""]
+  if "error" in e:
+    return lines + [f"ERROR: {e['error']}"]
+  lines += [f"**int8 {e['status']}**: {e['finding']}.", "",
+            f"The compiled target forward (`decoding.costs.calibrate`'s program, batch"
+            f" {e['batch_size']}) read for its int8 matrices (`dloop_jax.models.int8_hlo`):"
+            " products that read an s8 matrix inside their kernel, against instructions that"
+            " write an array as large as a matrix from one (a conversion or copy first). ms per"
+            " forward: median of the isolated forward; the bf16 target's from the speed"
+            " section (in this backend's product forms: XLA:CPU's own on a CPU).", "",
+            "| width | int8 matrices | products reading int8 (of expected) | written whole |"
+            " kernels | int8 ms | bf16 ms | int8 / bf16 | HLO |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for w, f in e["forwards"].items():
+    kernels = ", ".join(f"{k} {n}" for k, n in f["kernels"].items()) or "–"
+    lines.append(f"| {w} | {f['weights']} | {f['products']} ({e['expected_products']}) |"
+                 f" {len(f['whole'])} | {kernels} | {fmt(e['cost_ms'].get(w), '.3f')} |"
+                 f" {fmt(e['bf16_cost_ms'].get(w), '.3f')} |"
+                 f" {fmt(e['int8_over_bf16'].get(w), '.2f', '×')} | {f.get('hlo') or '–'} |")
+  for w, f in e["forwards"].items():
+    if f["whole"]:
+      lines += ["", f"Written whole at width {w} (first 4 of {len(f['whole'])}): "
+                + "; ".join(f"`{x}`" for x in f["whole"][:4])]
+    if f["other"]:
+      lines += ["", f"Other uses at width {w} (first 4 of {len(f['other'])}): "
+                + "; ".join(f"`{x}`" for x in f["other"][:4])]
+  return lines
 
 
 def _unmeasured(entry: dict) -> str:
@@ -239,6 +284,8 @@ def compile_seconds(result: dict) -> list[tuple[str, float]]:
     for batch, entry in by_batch.items():
       for mode, run in entry.get("runs", {}).items():
         out.append((f"{check} {mode}, batch {batch}", run.get("compile_seconds")))
+  for w, f in (result.get("int8") or {}).get("forwards", {}).items():
+    out.append((f"int8 forward, width {w}", f.get("compile_seconds")))
   for p in result.get("prefill", []):
     out.append((f"prefill {p['length']}", p.get("compile_seconds")))
   for e in result.get("attention", []):

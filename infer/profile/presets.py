@@ -26,9 +26,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dloop_jax.errors import ConfigError
+from dloop_jax.models import int8 as int8_lib
 from dloop_jax.models.config import TransformerConfig, tiny_config
 from dloop_jax.models.registry import weight_dtype
-from dloop_jax.models.transformer import Transformer
+from dloop_jax.models.transformer import SCALE_SUFFIX, Transformer
 
 _QWEN3 = dict(family="qwen3", qk_norm=True, vocab_size=151936, num_layers=36, num_heads=32,
               num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
@@ -143,16 +144,26 @@ def check_fits(config: TransformerConfig, *, dtype, weights, batch_size: int, ca
   return need
 
 
-def random_target(config: TransformerConfig, *, dtype, weights, seed: int = 0) -> Transformer:
+# Random matrices: normal(_STD); int8 codes normal(_CODE_STD) (4 deviations within the
+# codes' 127), scaled by _STD / _CODE_STD.
+_STD = 0.02
+_CODE_STD = 32.0
+
+
+def random_target(config: TransformerConfig, *, dtype, weights, seed: int = 0,
+                  cpu_kernels: bool | None = None) -> Transformer:
   """A target of `config` with random weights, built leaf by leaf on the device.
 
   The constructor would draw every layer's weights stacked and then split
   them (twice the memory); here each parameter is drawn once, in its own
   dtype: normal(0.02) matrices, unit norms (timing does not depend on values,
-  but NaNs or denormals would).
+  but NaNs or denormals would). Int8 matrices get codes of a normal of 32
+  codes' deviation and scales of 0.02 / 32, so that they too stand for
+  normal(0.02) matrices (`models.int8`). `cpu_kernels` as `Transformer`'s
+  (None: this backend's product forms).
   """
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                                weight_dtype=weights))
+                                                weight_dtype=weights, cpu_kernels=cpu_kernels))
   graph, state = nnx.split(abstract)
   key = jax.random.key(seed)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -161,6 +172,10 @@ def random_target(config: TransformerConfig, *, dtype, weights, seed: int = 0) -
     name = jax.tree_util.keystr(path)
     if "norm" in name:
       values.append(jnp.ones(leaf.shape, leaf.dtype))
+    elif int8_lib.is_int8(leaf.dtype):
+      values.append(_codes(jax.random.fold_in(key, i), leaf.shape))
+    elif SCALE_SUFFIX in name:
+      values.append(jnp.full(leaf.shape, _STD / _CODE_STD, leaf.dtype))
     else:
       values.append(_normal(jax.random.fold_in(key, i), leaf.shape, leaf.dtype))
   return nnx.merge(graph, jax.tree_util.tree_unflatten(treedef, values))
@@ -168,7 +183,13 @@ def random_target(config: TransformerConfig, *, dtype, weights, seed: int = 0) -
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _normal(key, shape, dtype):
-  return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return (_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _codes(key, shape):
+  codes = jnp.round(_CODE_STD * jax.random.normal(key, shape, jnp.float32))
+  return jnp.clip(codes, -int8_lib.LEVELS, int8_lib.LEVELS).astype(int8_lib.DTYPE)
 
 
 def is_out_of_memory(e: Exception) -> bool:
