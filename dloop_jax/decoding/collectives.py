@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from dloop_jax import hlo_text as hlo
 from dloop_jax.decoding import loop_copies
 
 _MOVES = re.compile(r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(")
@@ -34,7 +35,7 @@ def head_transfers(hlo_text: str, *, head_dim: int) -> list[str]:
   """
   found = []
   for line in loop_copies.unfused_instructions(hlo_text):
-    if not loop_copies._INSTRUCTION.match(line) or not _MOVES.search(line):  # pylint: disable=protected-access
+    if not hlo.INSTRUCTION.match(line) or not _MOVES.search(line):
       continue
     dims = [d.split(",") for d in _FLOAT_SHAPE.findall(line)]
     if any(len(d) >= 3 and d[-1] == str(head_dim) for d in dims):
