@@ -209,9 +209,17 @@ def per_shard(attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]], *,
   rows = PartitionSpec("data")
   per_head = PartitionSpec("data", None, heads, None)  # [B, T, N or K, H]
   cache = kv_spec(layout)
-  return jax.shard_map(attend, mesh=layout.mesh,
-                       in_specs=(per_head, per_head, per_head, cache, cache, rows, rows, rows),
-                       out_specs=(PartitionSpec("data", None, heads), cache, cache))
+  mapped = jax.shard_map(attend, mesh=layout.mesh,
+                         in_specs=(per_head, per_head, per_head, cache, cache, rows, rows, rows),
+                         out_specs=(PartitionSpec("data", None, heads), cache, cache))
+
+  def run(*args):
+    # The target's mesh, also inside another mesh's context (the trainer's, around an
+    # online target's forward), where shard_map would refuse a mesh other than the context's.
+    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+      return mapped(*args)
+
+  return run
 
 
 def place(value: np.ndarray, spec: PartitionSpec, mesh: Mesh) -> jax.Array:
