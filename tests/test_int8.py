@@ -204,3 +204,23 @@ def test_sampling_keeps_the_int8_targets_distribution(tiny_int8):
   assert out.total.drafted > 0
   pvalue, stat = chi_square_pvalue([tuple(t) for t in out.tokens], exact)
   assert pvalue > 1e-4, f"chi-square {stat:.1f}, p = {pvalue:.2e}"
+
+
+def test_parts_benchmark_times_each_part_of_both_storages(tiny, tiny_int8, monkeypatch, capsys):
+  """`python -m infer.bench.int8_parts` on the tiny target: a row per part and width, the
+  weight bytes each storage streams (int8: a byte a weight and an f32 scale a channel)."""
+  from dloop_jax.models import registry  # pylint: disable=g-import-not-at-top
+  from infer.bench import int8_parts  # pylint: disable=g-import-not-at-top
+  models = {"f32": tiny, "int8": tiny_int8}
+  monkeypatch.setattr(registry, "load_target", lambda source, *, weights: registry.LoadedTarget(
+      model=models[weights], config=tiny.config, tokenizer=None, source=source, name="tiny"))
+  assert int8_parts.main(["--tokens", "1,3", "--repeats", "2"]) == 0
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| T=")]
+  assert [r.split("|")[1].strip() for r in rows] == [
+      f"T={t}: {part}" for t in (1, 3) for part in ("products", "head", "rest", "forward")]
+  f32, int8_bytes = (int8_parts._weight_bytes(m) for m in (tiny, tiny_int8))  # pylint: disable=protected-access
+  c = tiny.config
+  scales = c.num_layers * (c.q_size + 2 * c.kv_size + c.hidden_size + 2 * c.intermediate_size
+                           + c.hidden_size)
+  assert int8_bytes["products"] == f32["products"] // 4 + 4 * scales
+  assert int8_parts.main(["--tokens", "0"]) == 2
