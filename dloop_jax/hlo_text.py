@@ -154,10 +154,9 @@ def _operands(line: str, start: int) -> tuple[str, ...]:
   return tuple(names)
 
 
-def instructions(hlo_text: str) -> dict[str, list[Instruction]]:
-  """{computation name: its parsed instructions}."""
-  return {name: [i for i in map(parse, lines) if i is not None]
-          for name, lines in computations(hlo_text).items()}
+def instructions(comps: dict[str, list[str]]) -> dict[str, list[Instruction]]:
+  """{computation name: its parsed instructions}, of `computations`' result."""
+  return {name: [i for i in map(parse, lines) if i is not None] for name, lines in comps.items()}
 
 
 def fused_computations(comps: dict[str, list[str]]) -> set[str]:
@@ -172,11 +171,12 @@ def fused_computations(comps: dict[str, list[str]]) -> set[str]:
   return fused
 
 
-def unfused_from(comps: dict[str, list[str]], start: str) -> set[str]:
-  """Names of `start` and the computations it runs through control flow and calls (loop
+def unfused_from(comps: dict[str, list[str]], *starts: str) -> set[str]:
+  """Names of `starts` and the computations they run through control flow and calls (loop
   bodies and conditions, branches, `call` / async computations, reducers), fusion bodies
-  left out: the computations whose instructions each run as operations of their own."""
-  seen, todo = set(), [start]
+  and custom calls' helpers left out: the computations whose instructions each run as
+  operations of their own."""
+  seen, todo = set(), list(starts)
   while todo:
     name = todo.pop()
     if name in seen or name not in comps:
@@ -184,6 +184,8 @@ def unfused_from(comps: dict[str, list[str]], start: str) -> set[str]:
     seen.add(name)
     for line in comps[name]:
       m = INSTRUCTION.match(line)
-      if m and m.group(3) != "fusion":
-        todo += [callee for _, callee in called(line)]
+      if not m or m.group(3) == "fusion":
+        continue
+      todo += [callee for how, callee in called(line)
+               if how != "calls" or m.group(3) in ("call", "async-start")]
   return seen

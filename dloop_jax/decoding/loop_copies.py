@@ -50,28 +50,10 @@ class LoopCopy:
 def loop_computations(hlo_text: str) -> set[str]:
   """Names of the computations a `while` body runs, directly or through calls (not fusions)."""
   comps = hlo.computations(hlo_text)
-  edges = {name: [] for name in comps}
-  roots = []
-  for name, lines in comps.items():
-    for line in lines:
-      m = hlo.INSTRUCTION.match(line)
-      if not m:
-        continue
-      opcode = m.group(3)
-      for how, callee in hlo.called(line):
-        if opcode == "fusion" or how == "calls" and opcode not in ("call", "async-start"):
-          continue  # fused kernels (and custom calls' helpers) are not separate buffers
-        edges[name].append(callee)
-        if opcode == "while" and how == "body":
-          roots.append(callee)
-  seen, todo = set(), list(roots)
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    todo += edges[name]
-  return seen
+  bodies = [callee for lines in comps.values() for line in lines
+            if (m := hlo.INSTRUCTION.match(line)) and m.group(3) == "while"
+            for how, callee in hlo.called(line) if how == "body"]
+  return hlo.unfused_from(comps, *bodies)
 
 
 def unfused_instructions(hlo_text: str) -> Iterator[str]:

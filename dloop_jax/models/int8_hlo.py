@@ -115,7 +115,7 @@ def weight_reads(hlo_text: str, *, min_elements: int) -> WeightReads:
     The counts and the offending instructions (`WeightReads`).
   """
   lines = hlo.computations(hlo_text)
-  comps = hlo.instructions(hlo_text)
+  comps = hlo.instructions(lines)
   entry = hlo.entry(hlo_text)
   unfused = (hlo.unfused_from(lines, entry) if entry is not None
              else set(comps) - hlo.fused_computations(lines))
