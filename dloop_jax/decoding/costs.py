@@ -134,7 +134,7 @@ class CostTable:
     return "\n".join(lines)
 
 
-def _median_ms(calls: Mapping[Any, Any], *, repeats: int) -> dict[Any, float]:
+def median_ms(calls: Mapping[Any, Any], *, repeats: int) -> dict[Any, float]:
   """Median milliseconds of each of `calls` ({name: () -> array}), after one warm-up call
   each (compiles); the repeats go round-robin over the calls, so slow drift of the
   machine spreads over all of them."""
@@ -246,7 +246,7 @@ def calibrate(target, *, batch_size: int, widths: Sequence[int] = DEFAULT_WIDTHS
   rng = np.random.default_rng(0)
   inputs = {w: jnp.asarray(rng.integers(0, target.config.vocab_size, (batch_size, w)), jnp.int32)
             for w in widths}
-  costs = _median_ms({w: functools.partial(forward, state, inputs[w], cache) for w in widths},
+  costs = median_ms({w: functools.partial(forward, state, inputs[w], cache) for w in widths},
                      repeats=repeats)
   return CostTable(costs=costs, key=cache_key(target, batch_size=batch_size))
 
@@ -368,7 +368,7 @@ def measure_draft_stage(target, drafter, *, batch_size: int, block_size: int,
                          sampling=sampling_lib.GREEDY)[1].tokens
 
   state = committed(dparams)
-  ms = _median_ms({"stage": functools.partial(stage, dparams, state),
+  ms = median_ms({"stage": functools.partial(stage, dparams, state),
                    "step": functools.partial(_forward, tgraph, tstate, token, cache)},
                   repeats=repeats)
   fraction = ms["stage"] / ms["step"]

@@ -4,8 +4,8 @@
     python -m infer.bench.int8_parts --tokens 1 --repeats 40
 
 Loads the target twice (f32 weights, and int8 in this backend's product form:
-`load_target(weights="int8")`) and times, interleaved, the median of --repeats
-calls of each part at each width T (tokens per forward):
+`load_target(weights="int8")`) and times, interleaved (`decoding.costs.median_ms`), the
+median of --repeats calls of each part at each width T (tokens per forward):
 
     products   every layer matrix (`LAYER_MATRICES`) times [T, K] activations,
                through the model's own product forms
@@ -21,8 +21,8 @@ kernel). docs/benchmarks.md ("Int8 weights on the EPYC") keeps the figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
 
 import numpy as np
 
@@ -96,6 +96,7 @@ def _weight_bytes(model) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
+  from dloop_jax.decoding import costs  # pylint: disable=g-import-not-at-top
   from dloop_jax.errors import DLoopError  # pylint: disable=g-import-not-at-top
   from dloop_jax.models import load_target  # pylint: disable=g-import-not-at-top
   args = _parse(argv)
@@ -111,17 +112,9 @@ def main(argv=None) -> int:
   print("|---|---:|---:|---:|")
   for tokens in widths:
     programs = {w: _programs(m, tokens) for w, m in models.items()}
-    for calls in programs.values():
-      for fn, fn_args in calls.values():
-        fn(*fn_args).block_until_ready()  # compile
-    times = {(w, part): [] for w, calls in programs.items() for part in calls}
-    for _ in range(args.repeats):
-      for (w, part) in times:
-        fn, fn_args = programs[w][part]
-        t0 = time.perf_counter()
-        fn(*fn_args).block_until_ready()
-        times[w, part].append(time.perf_counter() - t0)
-    ms = {key: 1e3 * float(np.median(v)) for key, v in times.items()}
+    ms = costs.median_ms({(w, part): functools.partial(fn, *fn_args)
+                          for w, calls in programs.items()
+                          for part, (fn, fn_args) in calls.items()}, repeats=args.repeats)
     for w in models:
       ms[w, "rest"] = ms[w, "forward"] - ms[w, "products"] - ms[w, "head"]
     sizes = {w: _weight_bytes(m) for w, m in models.items()}
