@@ -90,17 +90,19 @@ class KVCache:
     return KVCache(k=tuple(k), v=tuple(v), lengths=self.lengths + t)
 
 
-def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.Array:
-  """Writes `update[b]` into `buffer[b]` at slot `starts[b]` along axis 1.
+def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array, *,
+               axis: int = 1) -> jax.Array:
+  """Writes `update[b]` into `buffer[b]` at slot `starts[b]` along `axis`.
 
   Args:
-    buffer: [B, C, ...].
-    update: [B, T, ...].
+    buffer: [B, C, ...] (`axis` 1), or [B, ..., C, ...] with the slots at `axis`.
+    update: `buffer`'s shape with T slots at `axis`.
     starts: [B] first slot written per row (callers keep `starts + T <= C`:
       `dynamic_update_slice` would otherwise clamp and overwrite valid slots).
+    axis: the slot axis of `buffer`.
   """
   def one(buf, upd, start):
-    index = (start,) + (0,) * (buf.ndim - 1)
+    index = (0,) * (axis - 1) + (start,) + (0,) * (buf.ndim - axis)
     return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), index)
 
   return jax.vmap(one)(buffer, update, starts)
@@ -124,15 +126,16 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     starts: [B] (callers keep `starts + T <= C`).
   """
   b, t, kv_heads, h = k.shape
-  row_starts = jnp.repeat(starts, kv_heads, total_repeat_length=b * kv_heads)  # [B * K]
+  split = k_cache.ndim == 4
+  if not split:
+    row_starts = jnp.repeat(starts, kv_heads, total_repeat_length=b * kv_heads)  # [B * K]
 
   def write(cache, new):
     new = jnp.transpose(new, (0, 2, 1, 3))  # [B, K, T, H]
-    if cache.ndim == 4:
+    if split:
       # Rows and kv heads kept apart: the update splits along the mesh's rows and
       # heads like the cache (a [B * K] view of a split cache would gather it).
-      return jax.vmap(lambda buf, upd, start: jax.lax.dynamic_update_slice(
-          buf, upd.astype(buf.dtype), (0, start, 0)))(cache, new, starts)
+      return write_rows(cache, new, starts, axis=2)
     return write_rows(cache, new.reshape(b * kv_heads, t, h), row_starts)
 
   return write(k_cache, k), write(v_cache, v)

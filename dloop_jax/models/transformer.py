@@ -241,7 +241,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cach
   mesh (one shard's rows and kv heads, `sharding.per_shard`), which the
   attention forms read through its row-major [B * K, C, H] view.
   """
-  b, t = q.shape[:2]
+  t = q.shape[1]
   if write_cache:
     k_cache, v_cache = kv_lib.write_kv(k_cache, v_cache, k, v, starts)
   kc, vc = (x.reshape((-1,) + x.shape[-2:]) for x in (k_cache, v_cache))  # [B * K, C, H]
@@ -258,7 +258,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cach
     out = attention_lib.short_attention(q, k, v, k_cache=kc, v_cache=vc, starts=starts,
                                         block_mask=block_mask, masks=masks,
                                         written=write_cache, impl=attention_impl)
-  return out.reshape(b, t, -1), k_cache, v_cache
+  return out, k_cache, v_cache
 
 
 def _split_qkv(qkv: jax.Array, *, config: TransformerConfig, groups: int
